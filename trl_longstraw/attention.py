@@ -1,0 +1,154 @@
+"""Prefix-merge attention: queries attend to a frozen prefix (held as chunks) and causally to their own keys.
+
+The prefix is never concatenated and never repeated per query head. Each key block is scored on its own and the
+partial results are merged through their log-sum-exp, as in flash attention. The backward recomputes the scores block
+by block from the saved queries, keys, output and log-sum-exp, so one call saves its inputs, its output and
+`[B, Hq, T]` statistics, whatever the prefix length. Gradients reach the queries, the new keys and values, and, where
+they require grad (exact mode), the prefix keys and values.
+
+Grouped-query attention is handled by folding the `g = Hq / Hkv` query heads that share a key head into the query
+axis: `[B, Hq, T, D] -> [B, Hkv, g, T, D]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Keys scored at once. Bounds the `[B, Hq, T, KEY_BLOCK]` fp32 score tile that lives during the forward and backward.
+KEY_BLOCK = 4096
+
+
+def _blocks(keys: torch.Tensor, values: torch.Tensor):
+    """Yields `(start, k, v)` slices of at most KEY_BLOCK keys along dim 2."""
+    for start in range(0, keys.shape[2], KEY_BLOCK):
+        yield start, keys[:, :, start : start + KEY_BLOCK], values[:, :, start : start + KEY_BLOCK]
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32 for half types, else the input's own (fp64 stays fp64 for gradcheck)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal_offset: int | None) -> torch.Tensor:
+    """Scores `[B, Hkv, g, T, S]` of folded queries `q` `[B, Hkv, g, T, D]` against keys `k` `[B, Hkv, S, D]`.
+
+    With `causal_offset`, key `j` is visible to query `i` only when `j + causal_offset <= i`.
+    """
+    s = torch.einsum("bhgtd,bhsd->bhgts", q.to(_acc(q)), k.to(_acc(q))) * scale
+    if causal_offset is not None:
+        t, n = s.shape[-2], s.shape[-1]
+        rows = torch.arange(t, device=s.device)[:, None]
+        cols = torch.arange(n, device=s.device)[None, :] + causal_offset
+        s = s.masked_fill(cols > rows, float("-inf"))
+    return s
+
+
+def _parts(k, v, prefix):
+    """The key/value parts in order: every prefix block (no mask), then the causal self block."""
+    for pk, pv in zip(prefix[0::2], prefix[1::2], strict=True):
+        for _, bk, bv in _blocks(pk, pv):
+            yield bk, bv, None
+    for start, bk, bv in _blocks(k, v):
+        yield bk, bv, start
+
+
+class _PrefixMergeAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scale: float, q, k, v, *prefix):
+        b, hq, t, d = q.shape
+        hkv = k.shape[1]
+        qf = q.view(b, hkv, hq // hkv, t, d)
+        acc = _acc(q)
+        out = torch.zeros(b, hkv, hq // hkv, t, v.shape[-1], dtype=acc, device=q.device)
+        lse = torch.full((b, hkv, hq // hkv, t), float("-inf"), dtype=acc, device=q.device)
+        for bk, bv, causal_offset in _parts(k, v, prefix):
+            s = _scores(qf, bk, scale, causal_offset)
+            block_lse = torch.logsumexp(s, dim=-1)
+            new_lse = torch.logaddexp(lse, block_lse)
+            # A block that is fully masked for a row has lse -inf; exp(-inf - finite) = 0 keeps it out.
+            p = torch.exp(s - new_lse[..., None])
+            out = out * torch.exp(lse - new_lse)[..., None] + torch.einsum("bhgts,bhsd->bhgtd", p, bv.to(acc))
+            lse = new_lse
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, out, lse, *prefix)
+        return out.view(b, hq, t, -1).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, *prefix = ctx.saved_tensors
+        scale = ctx.scale
+        b, hq, t, d = q.shape
+        hkv = k.shape[1]
+        qf = q.view(b, hkv, hq // hkv, t, d)
+        acc = out.dtype
+        dout = grad_out.to(acc).view(out.shape)
+        delta = (dout * out).sum(-1)  # [B, Hkv, g, T]
+        dq = torch.zeros(qf.shape, dtype=acc, device=q.device)
+
+        def part_grads(keys, values, causal: bool, need_kv: bool):
+            """Adds this part's share to dq; returns its key/value grads when `need_kv`."""
+            dks, dvs = [], []
+            for start, bk, bv in _blocks(keys, values):
+                s = _scores(qf, bk, scale, start if causal else None)
+                p = torch.exp(s - lse[..., None])
+                dp = torch.einsum("bhgtd,bhsd->bhgts", dout, bv.to(acc))
+                ds = p * (dp - delta[..., None]) * scale
+                dq.add_(torch.einsum("bhgts,bhsd->bhgtd", ds, bk.to(acc)))
+                if need_kv:
+                    dvs.append(torch.einsum("bhgts,bhgtd->bhsd", p, dout))
+                    dks.append(torch.einsum("bhgts,bhgtd->bhsd", ds, qf.to(acc)))
+            if not need_kv:
+                return None, None
+            return torch.cat(dks, dim=2).to(keys.dtype), torch.cat(dvs, dim=2).to(values.dtype)
+
+        prefix_grads = []
+        for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
+            need = ctx.needs_input_grad[4 + 2 * i] or ctx.needs_input_grad[5 + 2 * i]
+            prefix_grads += part_grads(pk, pv, causal=False, need_kv=need)
+        dk, dv = part_grads(k, v, causal=True, need_kv=True)
+        return None, dq.view(q.shape).to(q.dtype), dk, dv, *prefix_grads
+
+
+def prefix_merge_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix: list[tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> torch.Tensor:
+    """Attention of `query` over `prefix` (all visible) and causally over its own `key`/`value`.
+
+    Args:
+        query: `[B, Hq, T, D]`.
+        key, value: `[B, Hkv, T, D]` (`Dv` for value), the keys of the same `T` positions as `query`.
+        prefix: chunks `(k_i, v_i)` of shape `[B, Hkv, S_i, D]` that precede the queries.
+        scale: softmax scale.
+
+    Returns:
+        `[B, Hq, T, Dv]` in the dtype of `query`.
+    """
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key heads ({key.shape[1]})")
+    flat = [x for kv in prefix for x in kv]
+    return _PrefixMergeAttention.apply(scale, query, key, value, *flat)
+
+
+def reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix: list[tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> torch.Tensor:
+    """Plain reference for `prefix_merge_attention`: concatenate, repeat the key heads, mask, softmax."""
+    keys = torch.cat([k for k, _ in prefix] + [key], dim=2)
+    values = torch.cat([v for _, v in prefix] + [value], dim=2)
+    groups = query.shape[1] // key.shape[1]
+    keys = keys.repeat_interleave(groups, dim=1)
+    values = values.repeat_interleave(groups, dim=1)
+    t, n = query.shape[2], keys.shape[2]
+    acc = torch.promote_types(query.dtype, torch.float32)
+    scores = (query.to(acc) @ keys.to(acc).transpose(-1, -2)) * scale
+    visible = torch.arange(n)[None, :] <= torch.arange(t)[:, None] + (n - t)
+    scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+    return (scores.softmax(-1) @ values.to(acc)).to(query.dtype)

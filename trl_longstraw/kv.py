@@ -1,0 +1,79 @@
+"""Adapter for standard KV-cache causal LMs (Llama, Mistral, Qwen2, Qwen3 and their MoE variants).
+
+These models call the attention function registered under `config._attn_implementation` with post-RoPE keys and
+values `[B, Hkv, T, D]`. While the engine runs, the model is switched to the `"longstraw"` attention function below:
+it attends to the prompt records of the active pass through `prefix_merge_attention` and emits the chunk's own keys
+and values as its record. Nothing goes through `past_key_values`, so gradient checkpointing, which drops the cache
+in training, has nothing to drop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+
+from .attention import prefix_merge_attention
+from .engine import active_pass
+
+ATTN_IMPLEMENTATION = "longstraw"
+
+
+def longstraw_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: `query` `[B, Hq, T, D]`, `key`/`value` `[B, Hkv, T, D]` -> `[B, T, Hq, D]`."""
+    if dropout:
+        raise ValueError("attention dropout is not supported by trl_longstraw: set attention_dropout=0.0")
+    if sliding_window is not None or softcap is not None or kwargs.get("s_aux") is not None:
+        raise ValueError(
+            "sliding-window attention, attention logit softcapping and attention sinks are not supported by "
+            "trl_longstraw's generic adapter"
+        )
+    p = active_pass()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = prefix_merge_attention(query, key, value, p.read(module.layer_idx), scale)
+    p.emit(module.layer_idx, (key, value))
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, longstraw_attention)
+
+
+@contextlib.contextmanager
+def attention_switched(causal_lm: PreTrainedModel):
+    """Routes the model's attention layers through `longstraw_attention` for the duration of the block."""
+    config = causal_lm.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+class KVCacheAdapter:
+    """Records per attention layer and chunk: `(keys, values)`, each `[1, Hkv, n, D]`."""
+
+    def __init__(self, causal_lm: PreTrainedModel):
+        self.causal_lm = causal_lm
+
+    def activate(self):
+        return attention_switched(self.causal_lm)
+
+    @staticmethod
+    def state_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:
+        """`(bytes per prompt token, fixed bytes)` of the prompt state of a model with this text config."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes, 0

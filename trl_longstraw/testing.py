@@ -1,0 +1,126 @@
+"""Tiny offline models, a tokenizer built in code, and hand-built GRPO micro-batches, for tests, demos and benchmarks.
+
+Nothing here downloads anything: models are built from transformers config classes with random weights and saved
+to a local folder together with a tokenizer made with the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+# Word-level vocabulary: single characters, digits and a few words, enough for the synthetic tasks.
+WORDS = (
+    list(string.ascii_lowercase)
+    + [str(i) for i in range(10)]
+    + [
+        "key",
+        "value",
+        "is",
+        "the",
+        "of",
+        "what",
+        "?",
+        ":",
+        ".",
+        "=",
+        ";",
+        "answer",
+    ]
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer (whitespace split) with pad and eos, padding and truncating on the left."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+        truncation_side="left",
+    )
+
+
+def tiny_config(family: str, vocab_size: int, **overrides):
+    """A transformers config of a tiny random model of `family` (`llama`, `qwen3`, ...)."""
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=1 << 20,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    base.update(overrides)
+    return AutoConfig.for_model(family, **base)
+
+
+def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Builds a tiny random `family` model in fp32 and saves it with the tokenizer to `path`."""
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    config = tiny_config(family, vocab_size=len(tokenizer), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def random_micro_batch(
+    prompt_lengths: list[int],
+    completion_lengths: list[int],
+    group_of_row: list[int],
+    vocab_size: int,
+    seed: int = 0,
+    completion_width: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """A GRPO micro-batch as `_generate_and_score_completions` returns it.
+
+    Row `r` has prompt number `group_of_row[r]` (rows of one prompt get identical, identically padded prompts) of
+    `prompt_lengths[group]` tokens, left-padded to the longest, and a completion of `completion_lengths[r]` tokens,
+    right-padded. Advantages are random; `num_items_in_batch` counts the completion tokens.
+    """
+    g = torch.Generator().manual_seed(seed)
+    width = max(prompt_lengths)
+    cwidth = completion_width or max(completion_lengths)
+    prompts = [torch.randint(3, vocab_size, (n,), generator=g) for n in prompt_lengths]
+    rows = len(group_of_row)
+    prompt_ids = torch.zeros(rows, width, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, width, dtype=torch.long)
+    completion_ids = torch.zeros(rows, cwidth, dtype=torch.long)
+    completion_mask = torch.zeros(rows, cwidth, dtype=torch.long)
+    for r, group in enumerate(group_of_row):
+        n = prompt_lengths[group]
+        prompt_ids[r, width - n :] = prompts[group]
+        prompt_mask[r, width - n :] = 1
+        c = completion_lengths[r]
+        completion_ids[r, :c] = torch.randint(3, vocab_size, (c,), generator=g)
+        completion_mask[r, :c] = 1
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(rows, generator=g),
+        "num_items_in_batch": completion_mask.sum().float(),
+    }
