@@ -8,7 +8,6 @@ PY := $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@

@@ -1,0 +1,68 @@
+"""Builders shared by the tests: paired stock/LongStraw trainers and gradient comparison."""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+from datasets import Dataset
+from trl import GRPOConfig
+
+from tests.tolerances import GRAD_RTOL
+from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+
+
+def zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def base_args(**overrides) -> dict:
+    args = dict(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=9,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        gradient_checkpointing=False,
+    )
+    args.update(overrides)
+    return args
+
+
+def make_trainer(path, cls=LongStrawGRPOTrainer, **overrides):
+    """A trainer on the model saved at `path`, ready for `training_step` on hand-built micro-batches."""
+    config_cls = LongStrawGRPOConfig if cls is LongStrawGRPOTrainer else GRPOConfig
+    kw = base_args(**overrides)
+    if config_cls is GRPOConfig:
+        for key in ("prompt_gradient", "prefill_chunk_size", "group_shuffle", "prefill_progress"):
+            kw.pop(key, None)
+    trainer = cls(str(path), zero_reward, config_cls(**kw), train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}))
+    trainer._prepare_inputs = lambda x: x
+    trainer.current_gradient_accumulation_steps = 1
+    if trainer.args.gradient_checkpointing:
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return trainer
+
+
+def run_steps(trainer, micro_batches) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Accumulates `training_step` over `micro_batches`; returns the losses and the parameter gradients."""
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.current_gradient_accumulation_steps = len(micro_batches)
+    losses = [float(trainer.training_step(trainer.model, dict(mb), mb["num_items_in_batch"])) for mb in micro_batches]
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return losses, grads
+
+
+def assert_grads_close(ours: dict, ref: dict, rtol: float = GRAD_RTOL) -> float:
+    """Every parameter that has a reference gradient has ours, within `rtol` relative error in norm."""
+    assert ref, "the reference produced no gradient"
+    assert set(ours) == set(ref), f"gradients differ in which parameters they reach: {set(ours) ^ set(ref)}"
+    worst = 0.0
+    for name, g in ref.items():
+        err = ((ours[name] - g).norm() / g.norm().clamp_min(1e-30)).item()
+        worst = max(worst, err)
+        assert err <= rtol, f"{name}: relative gradient error {err:.3e} > {rtol:.1e}"
+    return worst
