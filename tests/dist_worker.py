@@ -11,6 +11,7 @@ runs these scenarios on them:
 - `fsdp2_detached`: the same model, detached mode, `B`;
 - `sharded_exact` / `sharded_detached`: DDP with the prompt state sharded over both ranks, micro-batch `S` (the
   ranks hold the same prompts, different completions); `sharded_exact` with non-reentrant gradient checkpointing;
+- `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state, `S`;
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, in fp64.
 
 Rank 0 writes the full (gathered) parameter gradients, the logps of the sharded scoring, each rank's sequence of
@@ -65,13 +66,16 @@ def count_collectives(log: list) -> None:
 
 
 def trainer_config(output_dir: str, **overrides):
-    """The `LongStrawGRPOConfig` of the worker and of the single-process reference (global-batch `dapo` loss)."""
+    """The `LongStrawGRPOConfig` of the worker and of the single-process reference (global-batch `dapo` loss).
+
+    `num_generations` does not enter the loss of a hand-built micro-batch; the worker raises it to 8 so that a prompt's
+    completions cover both ranks, as `shard_prompt_state` requires.
+    """
     from trl_longstraw import LongStrawGRPOConfig
 
     return LongStrawGRPOConfig(
         output_dir=output_dir,
         per_device_train_batch_size=4,
-        num_generations=2,
         max_completion_length=9,
         report_to=[],
         use_cpu=True,
@@ -185,7 +189,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     def reward(completions, **kwargs):
         return [0.0] * len(completions)
 
-    config = trainer_config(tempfile.mkdtemp(), shard_prompt_state=True)
+    config = trainer_config(tempfile.mkdtemp(), num_generations=8, shard_prompt_state=True)
     trainer = LongStrawGRPOTrainer(model_path, reward, config, train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}))
     world, rank = dist.get_world_size(), dist.get_rank()
     assert world == 2, f"the distributed tests need 2 processes, got {world}"
@@ -266,6 +270,12 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         step(ddp, batches["S"], mode)
         results[name] = full_grads(trainer.model)
         results["collectives"][name] = log[start:]
+    start = len(log)
+    fsdp.zero_grad(set_to_none=True)
+    fsdp.set_requires_gradient_sync(True)
+    step(fsdp, batches["S"], "exact")
+    results["fsdp2_sharded_exact"] = full_grads(fsdp)
+    results["collectives"]["fsdp2_sharded_exact"] = log[start:]
     engine = trainer._engine(ddp)
     local = rows_of(batches["S"], rank)
     scored = (local["prompt_ids"], local["prompt_mask"], local["completion_ids"], local["completion_mask"])

@@ -22,6 +22,7 @@ from tolerances import DIST_GRAD_RTOL, LOGP_ATOL, SHARDED_ATTN_ATOL_FP64
 
 from trl_longstraw import LongStrawGRPOTrainer
 from trl_longstraw.adapters import ADAPTERS
+from trl_longstraw.sharding import shard_group_size
 from trl_longstraw.testing import build_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -30,7 +31,17 @@ ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ["llama"] + (["qwen3_5"] if "qwen3_5" in ADAPTERS else [])
 # Seconds for the whole 2-process launch; ~35 s on 2 busy cores.
 LAUNCH_TIMEOUT = 400
-SCENARIOS = ["ddp_exact", "ddp_detached", "fsdp2_exact", "fsdp2_detached", "sharded_exact", "sharded_detached"]
+# Scenario of the worker -> its single-process reference.
+EXPECTED = {
+    "ddp_exact": "exact",
+    "ddp_detached": "detached",
+    "fsdp2_exact": "exact",
+    "fsdp2_detached": "detached",
+    "sharded_exact": "sharded_exact",
+    "sharded_detached": "sharded_detached",
+    "fsdp2_sharded_exact": "sharded_exact",
+}
+SCENARIOS = list(EXPECTED)
 
 
 def _reward(completions, **kwargs):
@@ -66,7 +77,7 @@ def launch(request, tiny_model_path, tmp_path_factory):
 def reference(launch):
     """Single-process gradients of the same global batches: `{scenario: {param: grad}}`, and the logps of `S`."""
     _, path, batches, _, _, _ = launch
-    config = trainer_config(str(Path(path) / "out"))
+    config = trainer_config(str(Path(path) / "out"), num_generations=2)
     trainer = LongStrawGRPOTrainer(str(path), _reward, config, train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}))
     trainer._prepare_inputs = lambda x: x
     trainer.current_gradient_accumulation_steps = 1
@@ -115,7 +126,7 @@ def test_gradients_match_single_process(launch, reference, scenario):
     """DDP and FSDP2 (gradient accumulation included in exact mode) and the sharded prompt state give the gradient of
     a single-process run of the same global batch, for every parameter."""
     results = _results(launch)
-    expected = reference[scenario if scenario.startswith("sharded") else scenario.split("_")[1]]
+    expected = reference[EXPECTED[scenario]]
     got = results[scenario]
     assert set(got) == set(expected)
     for name, ref in expected.items():
@@ -168,5 +179,18 @@ def test_collectives_equal_across_ranks(launch, scenario):
         assert "all_reduce" in names  # the explicit gradient all-reduce
     if scenario.startswith("fsdp2"):
         assert {"all_gather_single", "reduce_scatter_single"} <= names
-    if scenario.startswith("sharded"):
+    if "sharded" in scenario:
         assert {"all_gather_into_tensor", "all_to_all_single"} <= names
+
+
+@pytest.mark.parametrize(
+    ("world", "requested", "generations", "rows", "expected"),
+    [(2, 0, 8, 4, 2), (8, 4, 8, 2, 4), (8, 0, 16, 1, 8), (8, 2, 4, 1, 2), (8, 3, 24, 1, None), (2, 0, 4, 4, None)],
+)
+def test_shard_group_size(world, requested, generations, rows, expected):
+    """The shard group must divide the processes, and one prompt's completions must cover the group."""
+    if expected is None:
+        with pytest.raises(ValueError, match="prompt_shard_group_size"):
+            shard_group_size(world, requested, generations, rows)
+    else:
+        assert shard_group_size(world, requested, generations, rows) == expected

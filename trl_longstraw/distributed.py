@@ -98,8 +98,19 @@ def allreduce_gradients(params: list[torch.nn.Parameter], group=None) -> None:
 
 
 def finish_ddp(model: torch.nn.Module) -> None:
-    """End of a micro-batch under DDP: average the gradients unless the wrapper is in `no_sync`."""
-    if isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync:
+    """End of a micro-batch under DDP: average the gradients unless the wrapper is in `no_sync`.
+
+    Raises:
+        ValueError: if a DDP communication hook is registered (the explicit all-reduce would bypass it).
+    """
+    if not isinstance(model, DistributedDataParallel):
+        return
+    if getattr(model, "_comm_hooks", None):
+        raise ValueError(
+            "DDP communication hooks (e.g. DistributedDataParallelKwargs(comm_hook=...)) are not applied by "
+            "LongStrawGRPOTrainer, which all-reduces gradients itself once per micro-batch: remove the comm hook."
+        )
+    if model.require_backward_grad_sync:
         allreduce_gradients([p for p in model.module.parameters() if p.requires_grad], model.process_group)
 
 

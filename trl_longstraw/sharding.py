@@ -85,6 +85,36 @@ class PromptShards:
         return order, [[other[1][i] for other in everyone] for i in range(len(order))]
 
 
+def shard_group_size(world: int, requested: int, num_generations: int, rows_per_process: int) -> int:
+    """The number of ranks per prompt shard group, checked against the way TRL spreads prompts over processes.
+
+    TRL gives each process `rows_per_process = per_device_train_batch_size * steps_per_generation` consecutive rows
+    of a stream in which each prompt repeats `num_generations` times, so the ranks of a group of consecutive ranks
+    hold the same prompts exactly when one prompt's completions cover the whole group.
+
+    Args:
+        world: number of processes.
+        requested: `prompt_shard_group_size`; 0 means all processes.
+
+    Raises:
+        ValueError: naming the settings to change.
+    """
+    size = requested or world
+    if world % size:
+        raise ValueError(
+            f"prompt_shard_group_size={size} does not divide the {world} processes: use a divisor of {world}, e.g. "
+            "the number of GPUs per node, or 0 for all processes."
+        )
+    if num_generations % (size * rows_per_process):
+        raise ValueError(
+            f"shard_prompt_state needs the {size} ranks of a shard group to hold the same prompts, so num_generations "
+            f"({num_generations}) must be a multiple of prompt_shard_group_size * per_device_train_batch_size * "
+            f"steps_per_generation ({size} * {rows_per_process} rows per process). Raise num_generations, lower the "
+            "per-device batch or the shard group size, or set shard_prompt_state=False."
+        )
+    return size
+
+
 def _prompt_key(group) -> str:
     digest = hashlib.sha256(group.tokens.cpu().numpy().tobytes()).hexdigest()
     return f"{group.pad}:{group.tokens.shape[0]}:{digest}"

@@ -22,7 +22,7 @@ from trl.trainer.utils import split_tensor_dict
 from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
 from .engine import Engine, group_prompts
-from .sharding import PromptShards
+from .sharding import PromptShards, shard_group_size
 
 
 def _causal_lm(model) -> PreTrainedModel:
@@ -89,12 +89,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if not self.args.shard_prompt_state or not dist.is_initialized() or dist.get_world_size() == 1:
             return None
         world = dist.get_world_size()
-        size = self.args.prompt_shard_group_size or world
-        if world % size:
-            raise ValueError(
-                f"prompt_shard_group_size={size} does not divide the {world} processes: use a divisor of {world}, "
-                "e.g. the number of GPUs per node, or 0 for all processes."
-            )
+        rows = self.args.per_device_train_batch_size * self.args.steps_per_generation
+        size = shard_group_size(world, self.args.prompt_shard_group_size, self.num_generations, rows)
         if size == world:
             return PromptShards(None)
         group = None
