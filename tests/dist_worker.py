@@ -12,6 +12,8 @@ runs these scenarios on them:
 - `sharded_exact` / `sharded_detached`: DDP with the prompt state sharded over both ranks, micro-batch `S` (the
   ranks hold the same prompts, different completions); `sharded_exact` with non-reentrant gradient checkpointing;
 - `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state, `S`;
+- `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
+  has no gradient to back-propagate;
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, in fp64.
 
 Rank 0 writes the full (gathered) parameter gradients, the logps of the sharded scoring, each rank's sequence of
@@ -93,7 +95,8 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
 
     `A`, `B`: uneven work: the ranks hold different numbers of distinct prompts (of 0 to 3 chunks of 5 tokens) and
     completions of different lengths (1 to 9). Every rank holds 3 rows, as TRL's metric gathers need equal row
-    counts. `S`: both ranks hold the same two prompts (3 and 2 chunks), with 2 + 1 and 1 + 2 completions.
+    counts. `S`: both ranks hold the same two prompts (3 and 2 chunks), with 2 + 1 and 1 + 2 completions. `C`: like
+    `S`, but rank 1's advantages are zero, so that with `beta = 0` it has no gradient to back-propagate at all.
     """
     from trl_longstraw.testing import random_micro_batch
 
@@ -102,6 +105,7 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
         "A": ([13, 7, 1, 9], [9, 1, 5, 3, 4, 1], [0, 1, 0, 2, 3, 3], [0, 0, 0, 1, 1, 1]),
         "B": ([12, 6, 2], [2, 8, 1, 7, 1, 6], [0, 0, 0, 1, 1, 2], [0, 0, 0, 1, 1, 1]),
         "S": ([13, 7], [9, 1, 5, 3, 4, 6], [0, 1, 0, 1, 0, 1], [0, 0, 0, 1, 1, 1]),
+        "C": ([11, 8], [4, 2, 7, 3, 5, 1], [0, 1, 1, 0, 1, 0], [0, 0, 0, 1, 1, 1]),
     }
     batches = {}
     for i, (key, (prompts, completions, prompt_of_row, rank_of_row)) in enumerate(layouts.items()):
@@ -109,6 +113,8 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
         g = torch.Generator().manual_seed(20 + i)
         batch["ref_per_token_logps"] = -torch.rand(batch["completion_ids"].shape, generator=g) * 5
         batch["rank"] = torch.tensor(rank_of_row)
+        if key == "C":  # rank 1 has nothing to back-propagate (with beta = 0)
+            batch["advantages"][batch["rank"] == 1] = 0.0
         batches[key] = batch
     return batches
 
@@ -276,6 +282,21 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     step(fsdp, batches["S"], "exact")
     results["fsdp2_sharded_exact"] = full_grads(fsdp)
     results["collectives"]["fsdp2_sharded_exact"] = log[start:]
+    # An idle rank: nothing to back-propagate on rank 1 (micro-batch C, beta = 0), sharded or not.
+    trainer.beta = 0.0
+    for name, model, sharded in [
+        ("ddp_idle_rank", ddp, False),
+        ("fsdp2_idle_rank", fsdp, False),
+        ("sharded_idle_rank", ddp, True),
+    ]:
+        set_sharded(sharded)
+        start = len(log)
+        model.zero_grad(set_to_none=True)
+        step(model, batches["C"], "exact")
+        results[name] = full_grads(model.module if model is ddp else model)
+        results["collectives"][name] = log[start:]
+    trainer.beta = config.beta
+    set_sharded(True)
     engine = trainer._engine(ddp)
     local = rows_of(batches["S"], rank)
     scored = (local["prompt_ids"], local["prompt_mask"], local["completion_ids"], local["completion_mask"])

@@ -40,6 +40,9 @@ EXPECTED = {
     "sharded_exact": "sharded_exact",
     "sharded_detached": "sharded_detached",
     "fsdp2_sharded_exact": "sharded_exact",
+    "ddp_idle_rank": "idle_rank",
+    "fsdp2_idle_rank": "idle_rank",
+    "sharded_idle_rank": "idle_rank",
 }
 SCENARIOS = list(EXPECTED)
 
@@ -97,6 +100,9 @@ def reference(launch):
     refs = {"exact": grads("AB", "exact"), "detached": grads("B", "detached")}
     refs["sharded_exact"] = grads("S", "exact", checkpointing=True)
     refs["sharded_detached"] = grads("S", "detached")
+    trainer.beta = 0.0
+    refs["idle_rank"] = grads("C", "exact")
+    trainer.beta = config.beta
     s = batches["S"]
     with torch.no_grad():
         logps, _ = trainer._engine(trainer.model).score(
