@@ -15,3 +15,8 @@ ATTN_ATOL_FP32 = 1e-5
 # bf16: inputs rounded to 8 bits of mantissa; the merged result is computed in fp32 then rounded once, the reference
 # rounds its softmax output, so the two can differ by a few bf16 ulps of values of order 1.
 ATTN_ATOL_BF16 = 3e-2
+# Data-parallel (DDP, FSDP2) and sharded-prompt-state gradients against the single-process gradient of the same global
+# batch, relative error in norm per parameter: only the float summation order differs (the bar).
+DIST_GRAD_RTOL = 1e-6
+# sharded_prefix_attention against prefix_merge_attention in fp64, absolute (outputs and gradients).
+SHARDED_ATTN_ATOL_FP64 = 1e-12

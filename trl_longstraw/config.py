@@ -27,6 +27,15 @@ class LongStrawGRPOConfig(GRPOConfig):
             so that the completions of one prompt share one prefill.
         prefill_progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over the prefill chunks of prompts longer than one chunk (main process only).
+        shard_prompt_state (`bool`, *optional*, defaults to `False`):
+            Spread each prompt's state over the ranks of a shard group: each rank keeps 1/W of the prompt chunks and
+            attention over the prompt merges the ranks' parts. The ranks of a group must hold the same prompts in
+            every micro-batch (different completions of them). State memory shrinks W times; compute per rank is
+            unchanged; every attention layer of every pass exchanges queries and partial results. Gradients equal
+            the unsharded ones up to float rounding.
+        prompt_shard_group_size (`int`, *optional*, defaults to `0`):
+            Ranks per shard group, consecutive in rank order (e.g. the GPUs of one node); `0` means all processes.
+            Must divide the number of processes.
     """
 
     prompt_gradient: str = field(
@@ -53,12 +62,32 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={"help": "Show a progress bar over the prefill chunks of prompts longer than one chunk."},
     )
 
+    shard_prompt_state: bool = field(
+        default=False,
+        metadata={
+            "help": "Spread each prompt's state over the ranks of a shard group (1/W of the chunks each, attention "
+            "merged across ranks). The ranks of a group must hold the same prompts in every micro-batch."
+        },
+    )
+    prompt_shard_group_size: int = field(
+        default=0,
+        metadata={
+            "help": "Ranks per prompt shard group, consecutive in rank order (e.g. one node's GPUs); 0 means all "
+            "processes. Must divide the number of processes."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.prompt_gradient not in PROMPT_GRADIENT_MODES:
             raise ValueError(
                 f"prompt_gradient={self.prompt_gradient!r} is not supported: use 'exact' (gradients equal "
                 "GRPOTrainer's) or 'detached' (longer prompts, biased gradient)."
+            )
+        if not isinstance(self.prompt_shard_group_size, int) or self.prompt_shard_group_size < 0:
+            raise ValueError(
+                f"prompt_shard_group_size={self.prompt_shard_group_size!r} must be 0 (all processes) or a positive "
+                "number of ranks that divides the number of processes."
             )
         if not isinstance(self.prefill_chunk_size, int) or self.prefill_chunk_size <= 0:
             raise ValueError(

@@ -25,12 +25,15 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from .distributed import branch_model, finish_ddp, fsdp2_gathered
+
 
 @dataclass
 class PromptState:
     """Per-layer records of one prompt, one record (a tuple of tensors) per prefill chunk.
 
-    `records[layer][c]` is `None` once chunk `c` has been consumed by the reverse pass.
+    `records[layer][c]` is `None` once chunk `c` has been consumed by the reverse pass, or when the prompt state is
+    sharded (`shard_prompt_state`) and another rank holds that chunk.
     """
 
     records: dict[int, list[tuple[torch.Tensor, ...] | None]] = field(default_factory=dict)
@@ -55,10 +58,13 @@ class PromptState:
 class Pass:
     """What the patched layers may read and where their new records go, for one forward."""
 
-    def __init__(self, state: PromptState, visible: int, append: bool = False):
+    def __init__(self, state: PromptState, visible: int, append: bool = False, shard=None):
         self.state = state
         self.visible = visible
         self.append = append
+        # `sharding.PromptShards` when the prompt state is sharded across ranks: attention over the prompt is then
+        # collective (`sharding.sharded_prefix_attention`) and `read` returns None for chunks held elsewhere.
+        self.shard = shard
         # Reverse pass: layer -> records computed with autograd. Set to None after the forward, so that a gradient
         # checkpointing recompute during backward does not capture again.
         self.sink: dict[int, tuple[torch.Tensor, ...]] | None = None
@@ -67,10 +73,16 @@ class Pass:
         """The records of chunks `[0, visible)` of this layer."""
         return self.state.records.get(layer_idx, [])[: self.visible]
 
-    def emit(self, layer_idx: int, record: tuple[torch.Tensor, ...]) -> None:
-        """Receives the record of the current chunk from layer `layer_idx`."""
+    def emit(self, layer_idx: int, record: tuple[torch.Tensor, ...], sharded: bool = False) -> None:
+        """Receives the record of the current chunk from layer `layer_idx`.
+
+        A `sharded` record is kept only by the rank that owns the chunk when the state is sharded; other records are
+        replicated on every rank (see `sharding`).
+        """
         if self.append:
-            self.state.records.setdefault(layer_idx, []).append(tuple(t.detach() for t in record))
+            records = self.state.records.setdefault(layer_idx, [])
+            held = not (sharded and self.shard is not None and self.shard.owner(len(records)) != self.shard.rank)
+            records.append(tuple(t.detach() for t in record) if held else None)
         elif self.sink is not None:
             self.sink[layer_idx] = record
 
@@ -167,19 +179,23 @@ class Engine:
     """Runs prompt-once scoring and branch-replay backward for one model.
 
     Args:
-        model: what is called for a branch: the (possibly wrapped) causal LM with TRL's fused LM head.
+        model: what is called for a branch: the (possibly wrapped) causal LM with TRL's fused LM head. Under DDP
+            the module inside the wrapper is called instead, and under FSDP2 every pass runs on parameters gathered
+            once per call (see `distributed`).
         causal_lm: the unwrapped `PreTrainedModel` under `model` (PEFT layers in place, if any).
         adapter: the architecture adapter of `causal_lm`.
         chunk_size: prompt tokens per prefill (and reverse) chunk.
         progress: show a progress bar over prefill chunks for prompts of several chunks.
+        shards: a `sharding.PromptShards` to shard the prompt state across its ranks, which then run in lockstep.
     """
 
-    def __init__(self, model, causal_lm, adapter, chunk_size: int, progress: bool = False):
+    def __init__(self, model, causal_lm, adapter, chunk_size: int, progress: bool = False, shards=None):
         self.model = model
         self.causal_lm = causal_lm
         self.adapter = adapter
         self.chunk_size = chunk_size
         self.progress = progress
+        self.shards = shards
         self.stats = StepStats()
         # The state of the last prompt prefilled, reused when the next request is for the same prompt
         # (scoring pass, then backward pass of the same micro-batch).
@@ -211,7 +227,9 @@ class Engine:
         bar = tqdm(total=prefix.shape[0], desc="prefill", unit="tok", disable=not self.progress or len(chunks) < 2)
         with self.adapter.activate(), torch.no_grad():
             for start, end in chunks:
-                with use_pass(Pass(state, visible=state.num_chunks, append=True)):
+                if self.shards is not None:
+                    self.shards.replicated(end - start)
+                with use_pass(Pass(state, visible=state.num_chunks, append=True, shard=self.shards)):
                     self._backbone()(
                         input_ids=prefix[None, start:end],
                         position_ids=self._positions(group.pad + start, end - start, prefix.device),
@@ -240,10 +258,13 @@ class Engine:
         with self.adapter.activate():
             for c in reversed(range(len(chunks))):
                 start, end = chunks[c]
-                own = {layer: records[c] for layer, records in state.records.items()}
-                if any(t.grad is not None for record in own.values() for t in record):
-                    p = Pass(state, visible=c)
+                own = {layer: records[c] for layer, records in state.records.items() if records[c] is not None}
+                # Sharded: every rank runs every chunk, as the attention over the prompt is collective.
+                if self.shards is not None or any(t.grad is not None for record in own.values() for t in record):
+                    p = Pass(state, visible=c, shard=self.shards)
                     p.sink = {}
+                    if self.shards is not None:
+                        self.shards.replicated(end - start)
                     with use_pass(p), torch.enable_grad():
                         self._backbone()(
                             input_ids=prefix[None, start:end],
@@ -252,12 +273,20 @@ class Engine:
                         )
                         captured, p.sink = p.sink, None
                         outputs, grads = [], []
-                        for layer, record in own.items():
-                            for recomputed, kept in zip(captured[layer], record, strict=True):
-                                if kept.grad is not None:
+                        for layer, recomputed_record in captured.items():
+                            record = own.get(layer)
+                            for i, recomputed in enumerate(recomputed_record):
+                                kept = None if record is None else record[i]
+                                if kept is not None and kept.grad is not None:
                                     outputs.append(recomputed)
                                     grads.append(kept.grad)
-                        torch.autograd.backward(outputs, grads)
+                                elif self.shards is not None and recomputed.requires_grad:
+                                    # Zero seeds for records held elsewhere: every rank back-propagates the same
+                                    # graph, so the collective backward of the sharded attention meets all ranks.
+                                    outputs.append(recomputed)
+                                    grads.append(torch.zeros_like(recomputed))
+                        if outputs:
+                            torch.autograd.backward(outputs, grads)
                 for records in state.records.values():
                     records[c] = None
         self.stats.reverse_s += time.perf_counter() - t0
@@ -269,9 +298,46 @@ class Engine:
         positions = self._positions(group.pad + group.tokens.shape[0] - 1, n, ids.device)
         return ids[None], positions, completion[None, :n]
 
-    def _forward_branch(self, state: PromptState, ids, positions, labels):
-        out = self.model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
+    def _forward_branch(self, state: PromptState | None, ids, positions, labels):
+        model = branch_model(self.model)
+        out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
         return out.log_probs[0], None if out.entropy is None else out.entropy[0]
+
+    def _zero_branch(self, group: PromptGroup | None, backward_fn: Callable[[torch.Tensor], None] | None, device):
+        """A one-token branch of weight zero: a lockstep filler for the sharded attention (`group` given: it reads
+        that prompt's state), or the FSDP2 sync pass (`group` None: no prompt). Back-propagated with `backward_fn`.
+        """
+        if group is None:
+            ids = positions = torch.zeros(1, 1, dtype=torch.long, device=device)
+            labels = ids
+        else:
+            ids, positions, labels = self._branch(group, group.tokens[-1:], 1)
+        lp, ent = self._forward_branch(None, ids, positions, labels)
+        if backward_fn is not None:
+            backward_fn(lp.sum() * 0 + (0 if ent is None else ent.sum() * 0))
+
+    def _sync_pass(self, device) -> None:
+        with self.adapter.activate(), use_pass(Pass(PromptState(), visible=0)), torch.enable_grad():
+            self._zero_branch(None, torch.autograd.backward, device)
+
+    def _schedule(
+        self, groups: list[PromptGroup], rows: list[list[int]], lengths: list[int]
+    ) -> list[tuple[PromptGroup, Iterator[int | None]]]:
+        """The prompts to run and, for each, its branch rows; `None` is a zero-weight filler branch.
+
+        Unsharded: `groups` with their `rows`, as given. Sharded: the prompts in the order agreed by the group, and
+        rounds in which every rank runs one branch (its own or a filler), with `shards.lengths` set for each round.
+        """
+        if self.shards is None:
+            return list(zip(groups, rows, strict=True))
+        order, plan = self.shards.agree(groups, [[lengths[r] for r in rs] for rs in rows])
+
+        def rounds(mine: list[int], everyone: list[list[int]]) -> Iterator[int | None]:
+            for i in range(max(len(theirs) for theirs in everyone)):
+                self.shards.lengths = [theirs[i] if i < len(theirs) else 1 for theirs in everyone]
+                yield mine[i] if i < len(mine) else None
+
+        return [(groups[i], rounds(rows[i], plan[k])) for k, i in enumerate(order) if any(plan[k])]
 
     def score(
         self,
@@ -286,18 +352,25 @@ class Engine:
         Zero where `completion_mask` is zero, as TRL's fused LM head returns them. Entropies are `None` when the
         model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`.
         """
+        with fsdp2_gathered(self.model):
+            return self._score(prompt_ids, prompt_mask, completion_ids, completion_mask, keep_last)
+
+    def _score(self, prompt_ids, prompt_mask, completion_ids, completion_mask, keep_last):
         lengths = completion_lengths(completion_mask)
         logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
         entropies = torch.zeros_like(logps)
         has_entropy = True
-        for group in group_prompts(prompt_ids, prompt_mask):
+        groups = group_prompts(prompt_ids, prompt_mask)
+        for group, rows in self._schedule(groups, [[r for r in g.rows if lengths[r] > 0] for g in groups], lengths):
             state = self.prefill(group, keep=keep_last)
             t0 = time.perf_counter()
-            with self.adapter.activate(), torch.no_grad(), use_pass(Pass(state, visible=state.num_chunks)):
-                for row in group.rows:
-                    n = lengths[row]
-                    if n == 0:
+            p = Pass(state, visible=state.num_chunks, shard=self.shards)
+            with self.adapter.activate(), torch.no_grad(), use_pass(p):
+                for row in rows:
+                    if row is None:
+                        self._zero_branch(group, None, prompt_ids.device)
                         continue
+                    n = lengths[row]
                     lp, ent = self._forward_branch(state, *self._branch(group, completion_ids[row], n))
                     logps[row, :n] = lp
                     if ent is None:
@@ -324,23 +397,41 @@ class Engine:
         Each branch is replayed with autograd and back-propagated on its own (`backward_fn` on the scalar
         `sum(logps * grad_logps) + sum(entropies * grad_entropies)`), then freed. In exact mode, the gradient that
         the branches leave on the prompt state is then carried through the prompt by `reverse`.
+
+        Under data parallelism the gradient is reduced once, at the end, unless the wrapper is in `no_sync`.
         """
+        with fsdp2_gathered(self.model, sync_pass=lambda: self._sync_pass(prompt_ids.device)):
+            prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
+            self._backward(*prompt, *completion, grad_logps, grad_entropies, exact, backward_fn)
+        finish_ddp(self.model)
+
+    def _backward(
+        self, prompt_ids, prompt_mask, completion_ids, completion_mask, grad_logps, grad_entropies, exact, backward_fn
+    ) -> None:
         lengths = completion_lengths(completion_mask)
         groups = group_prompts(prompt_ids, prompt_mask)
+        live = [
+            [
+                r
+                for r in g.rows
+                if lengths[r] > 0 and (grad_logps[r].any() or (grad_entropies is not None and grad_entropies[r].any()))
+            ]
+            for g in groups
+        ]
+        schedule = [(g, rows) for g, rows in self._schedule(groups, live, lengths) if self.shards is not None or rows]
         # Start with the prompt whose state the scoring pass left behind.
         if self._kept is not None:
-            groups.sort(key=lambda g: (g.pad, g.tokens.cpu().numpy().tobytes()) != self._kept[0])
-        for group in groups:
-            rows = [r for r in group.rows if lengths[r] > 0]
-            live = [r for r in rows if grad_logps[r].any() or (grad_entropies is not None and grad_entropies[r].any())]
-            if not live:
-                continue
+            schedule.sort(key=lambda item: (item[0].pad, item[0].tokens.cpu().numpy().tobytes()) != self._kept[0])
+        for group, rows in schedule:
             state = self.prefill(group, keep=True)
             if exact:
                 state.requires_grad_()
             t0 = time.perf_counter()
-            with self.adapter.activate(), use_pass(Pass(state, visible=state.num_chunks)):
-                for row in live:
+            with self.adapter.activate(), use_pass(Pass(state, visible=state.num_chunks, shard=self.shards)):
+                for row in rows:
+                    if row is None:
+                        self._zero_branch(group, backward_fn, prompt_ids.device)
+                        continue
                     n = lengths[row]
                     lp, ent = self._forward_branch(state, *self._branch(group, completion_ids[row], n))
                     surrogate = (lp * grad_logps[row, :n].to(lp.dtype)).sum()

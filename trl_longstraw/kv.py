@@ -2,9 +2,9 @@
 
 These models call the attention function registered under `config._attn_implementation` with post-RoPE keys and
 values `[B, Hkv, T, D]`. While the engine runs, the model is switched to the `"longstraw"` attention function below:
-it attends to the prompt records of the active pass through `prefix_merge_attention` and emits the chunk's own keys
-and values as its record. Nothing goes through `past_key_values`, so gradient checkpointing, which drops the cache
-in training, has nothing to drop.
+it attends to the prompt records of the active pass through `prefix_merge_attention` (or its sharded form) and emits
+the chunk's own keys and values as its record. Nothing goes through `past_key_values`, so gradient checkpointing,
+which drops the cache in training, has nothing to drop.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import contextlib
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from .attention import prefix_merge_attention
 from .engine import active_pass
+from .sharding import attend
 
 ATTN_IMPLEMENTATION = "longstraw"
 
@@ -40,10 +40,8 @@ def longstraw_attention(
             "sliding-window attention, attention logit softcapping and attention sinks are not supported by "
             "trl_longstraw's generic adapter"
         )
-    p = active_pass()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = prefix_merge_attention(query, key, value, p.read(module.layer_idx), scale)
-    p.emit(module.layer_idx, (key, value))
+    out = attend(active_pass(), module.layer_idx, query, key, value, scale)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import DistributedType
 from transformers import PreTrainedModel
 from trl import GRPOTrainer
@@ -21,6 +22,7 @@ from trl.trainer.utils import split_tensor_dict
 from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
 from .engine import Engine, group_prompts
+from .sharding import PromptShards, shard_group_size
 
 
 def _causal_lm(model) -> PreTrainedModel:
@@ -54,6 +56,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._check_setup()
         self._engines: dict[int, Engine] = {}
+        self._prompt_shards = self._make_prompt_shards()
         self._precomputed: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     # ---------------------------------------------------------------------------------------------------- checks
@@ -67,6 +70,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             raise ValueError("DeepSpeed is not supported by LongStrawGRPOTrainer: use FSDP2 or DDP via Accelerate.")
+        if self.accelerator.distributed_type == DistributedType.FSDP and not self.accelerator.is_fsdp2:
+            raise ValueError(
+                "FSDP1 is not supported by LongStrawGRPOTrainer: set fsdp_version: 2 in the accelerate config (see "
+                "recipes/accelerate/fsdp2.yaml)."
+            )
         if self.args.n_gpu > 1:
             raise ValueError(
                 "torch.nn.DataParallel (several GPUs in one process) is not supported: launch one process per GPU "
@@ -75,6 +83,23 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         get_adapter(_causal_lm(self.model))
         if self.ref_model is not None:
             get_adapter(_causal_lm(self.ref_model))
+
+    def _make_prompt_shards(self) -> PromptShards | None:
+        """The prompt shard group of this rank (`shard_prompt_state`), or None when the state is not sharded."""
+        if not self.args.shard_prompt_state or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        world = dist.get_world_size()
+        rows = self.args.per_device_train_batch_size * self.args.steps_per_generation
+        size = shard_group_size(world, self.args.prompt_shard_group_size, self.num_generations, rows)
+        if size == world:
+            return PromptShards(None)
+        group = None
+        for first in range(0, world, size):  # every rank creates every group, as new_group requires
+            ranks = list(range(first, first + size))
+            created = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                group = created
+        return PromptShards(group)
 
     # ---------------------------------------------------------------------------------------------------- engine
     def _engine(self, model) -> Engine:
@@ -87,6 +112,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 get_adapter(causal_lm),
                 chunk_size=self.args.prefill_chunk_size,
                 progress=self.args.prefill_progress and self.accelerator.is_main_process,
+                shards=self._prompt_shards,
             )
             self._engines[id(causal_lm)] = engine
         engine.model = model

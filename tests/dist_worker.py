@@ -1,0 +1,342 @@
+"""Worker of tests/test_distributed.py: one rank of a 2-process CPU (gloo) run of LongStraw training steps.
+
+Launched by the test with `torchrun --nproc_per_node 2 tests/dist_worker.py MODEL_PATH BATCHES OUT`. `BATCHES` is a
+`torch.save`d dict of global micro-batches (each row tagged with the rank that runs it); each rank takes its rows and
+runs these scenarios on them:
+
+- `ddp_exact`: DDP, exact mode, micro-batch `A` under `no_sync` (gradient accumulation), then `B` synchronized;
+- `ddp_detached`: DDP, detached mode, `B`;
+- `fsdp2_exact`: `fully_shard` on every decoder layer and the root, exact mode, `A` under
+  `set_requires_gradient_sync(False)`, then `B`;
+- `fsdp2_detached`: the same model, detached mode, `B`;
+- `sharded_exact` / `sharded_detached`: DDP with the prompt state sharded over both ranks, micro-batch `S` (the
+  ranks hold the same prompts, different completions); `sharded_exact` with non-reentrant gradient checkpointing;
+- `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state, `S`;
+- `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
+  has no gradient to back-propagate;
+- first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, in fp64.
+
+Rank 0 writes the full (gathered) parameter gradients, the logps of the sharded scoring, each rank's sequence of
+collective calls and the state sizes to `OUT`. The process group is destroyed and the process exits explicitly
+(gloo runs of FSDP can abort in interpreter teardown after passing).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+# Collectives counted at the `torch.distributed` namespace, where the engine, accelerate and FSDP2 call them.
+COLLECTIVES = [
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+]
+
+
+def count_collectives(log: list) -> None:
+    """Wraps the collectives of `torch.distributed` so that each call appends `(name, tensor shapes)` to `log`."""
+
+    def wrap(name, fn):
+        def wrapper(*args, **kwargs):
+            shapes = tuple(tuple(a.shape) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
+            log.append((name, shapes))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def trainer_config(output_dir: str, **overrides):
+    """The `LongStrawGRPOConfig` of the worker and of the single-process reference (global-batch `dapo` loss).
+
+    `num_generations` does not enter the loss of a hand-built micro-batch; the worker raises it to 8 so that a prompt's
+    completions cover both ranks, as `shard_prompt_state` requires.
+    """
+    from trl_longstraw import LongStrawGRPOConfig
+
+    return LongStrawGRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=4,
+        max_completion_length=9,
+        report_to=[],
+        use_cpu=True,
+        beta=0.1,
+        loss_type="dapo",
+        bf16=False,
+        prefill_chunk_size=5,
+        prefill_progress=False,
+        **overrides,
+    )
+
+
+def make_batches(vocab_size: int) -> dict[str, dict]:
+    """Global micro-batches; `rank` says which rank runs each row.
+
+    `A`, `B`: uneven work: the ranks hold different numbers of distinct prompts (of 0 to 3 chunks of 5 tokens) and
+    completions of different lengths (1 to 9). Every rank holds 3 rows, as TRL's metric gathers need equal row
+    counts. `S`: both ranks hold the same two prompts (3 and 2 chunks), with 2 + 1 and 1 + 2 completions. `C`: like
+    `S`, but rank 1's advantages are zero, so that with `beta = 0` it has no gradient to back-propagate at all.
+    """
+    from trl_longstraw.testing import random_micro_batch
+
+    layouts = {
+        # (prompt lengths, completion lengths, prompt of row, rank of row)
+        "A": ([13, 7, 1, 9], [9, 1, 5, 3, 4, 1], [0, 1, 0, 2, 3, 3], [0, 0, 0, 1, 1, 1]),
+        "B": ([12, 6, 2], [2, 8, 1, 7, 1, 6], [0, 0, 0, 1, 1, 2], [0, 0, 0, 1, 1, 1]),
+        "S": ([13, 7], [9, 1, 5, 3, 4, 6], [0, 1, 0, 1, 0, 1], [0, 0, 0, 1, 1, 1]),
+        "C": ([11, 8], [4, 2, 7, 3, 5, 1], [0, 1, 1, 0, 1, 0], [0, 0, 0, 1, 1, 1]),
+    }
+    batches = {}
+    for i, (key, (prompts, completions, prompt_of_row, rank_of_row)) in enumerate(layouts.items()):
+        batch = random_micro_batch(prompts, completions, prompt_of_row, vocab_size, seed=10 + i, completion_width=9)
+        g = torch.Generator().manual_seed(20 + i)
+        batch["ref_per_token_logps"] = -torch.rand(batch["completion_ids"].shape, generator=g) * 5
+        batch["rank"] = torch.tensor(rank_of_row)
+        if key == "C":  # rank 1 has nothing to back-propagate (with beta = 0)
+            batch["advantages"][batch["rank"] == 1] = 0.0
+        batches[key] = batch
+    return batches
+
+
+def rows_of(batch: dict, rank: int) -> dict:
+    """The rows of a global micro-batch that `rank` runs (`batch["rank"]`), with the global token count."""
+    keep = (batch["rank"] == rank).nonzero().flatten()
+    local = {k: v[keep] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim > 0 and k != "rank"}
+    local["num_items_in_batch"] = batch["num_items_in_batch"]
+    return local
+
+
+def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
+    """fp64 max abs errors of `sharded_prefix_attention` against `prefix_merge_attention` over the whole prefix.
+
+    GQA (4 query heads, 2 key heads), different query lengths per rank (3 and 5), key blocks of 2 (so that prefix
+    and causal parts span several blocks); prefixes of 3 chunks (both ranks hold some) and of 1 chunk (rank 1 holds
+    none). The gradient of each prefix chunk must reach its owner whole: the sum over ranks of the references'.
+    """
+    from trl_longstraw import attention
+    from trl_longstraw.attention import prefix_merge_attention
+    from trl_longstraw.sharding import PromptShards, sharded_prefix_attention
+
+    errors: dict[str, float] = {}
+    saved_block, attention.KEY_BLOCK = attention.KEY_BLOCK, 2
+    try:
+        for chunk_lengths in ([5, 4, 2], [3]):
+            g = torch.Generator().manual_seed(len(chunk_lengths))
+
+            def rand(*shape, g=g):
+                return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+            lengths = [3, 5]
+            chunks = [(rand(1, 2, n, 8), rand(1, 2, n, 8)) for n in chunk_lengths]
+            rows = [(rand(1, 4, t, 8), rand(1, 2, t, 8), rand(1, 2, t, 8), rand(1, 4, t, 8)) for t in lengths]
+            q, k, v, grad_out = rows[rank]
+            shards = PromptShards(None)
+            shards.lengths = lengths
+
+            def leaves(*xs):
+                return [x.clone().requires_grad_() for x in xs]
+
+            mine = [leaves(*c) if shards.owner(i) == rank else None for i, c in enumerate(chunks)]
+            whole = [leaves(*c) for c in chunks]
+            ours, ref = leaves(q, k, v), leaves(q, k, v)
+            out = sharded_prefix_attention(*ours, mine, 0.3, shards)
+            expected = prefix_merge_attention(*ref, whole, 0.3)
+            out.backward(grad_out)
+            expected.backward(grad_out)
+            tag = f"{len(chunk_lengths)}chunks"
+            errors[f"{tag}/out"] = (out - expected).abs().max().item()
+            for name, a, b in zip("qkv", ours, ref, strict=True):
+                errors[f"{tag}/d{name}"] = (a.grad - b.grad).abs().max().item()
+            for i, pair in enumerate(whole):
+                for j, x in enumerate(pair):
+                    total = x.grad.clone()
+                    dist.all_reduce(total)
+                    if mine[i] is not None:
+                        errors[f"{tag}/dprefix{i}.{j}"] = (mine[i][j].grad - total).abs().max().item()
+    finally:
+        attention.KEY_BLOCK = saved_block
+    return errors
+
+
+def main(model_path: str, batches_path: str, out_path: str) -> None:
+    os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+    from datasets import Dataset
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trl_longstraw import LongStrawGRPOTrainer
+
+    log: list = []
+    batches = torch.load(batches_path)
+
+    def reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    config = trainer_config(tempfile.mkdtemp(), num_generations=8, shard_prompt_state=True)
+    trainer = LongStrawGRPOTrainer(model_path, reward, config, train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    assert world == 2, f"the distributed tests need 2 processes, got {world}"
+    assert trainer.accelerator.num_processes == 2
+    assert trainer._prompt_shards is not None and trainer._prompt_shards.world == 2
+    shards = trainer._prompt_shards
+    trainer._prepare_inputs = lambda x: x
+    trainer.current_gradient_accumulation_steps = 1
+    count_collectives(log)
+    results: dict = {"collectives": {}, "state_bytes": {}}
+    attention_errors = sharded_attention_errors(rank, world)
+
+    def full_grads(model) -> dict[str, torch.Tensor]:
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad
+            if isinstance(g, DTensor):
+                g = g.full_tensor()
+            grads[name] = None if g is None else g.detach().clone()
+        return grads
+
+    def step(model, batch: dict, mode: str) -> None:
+        trainer.args.prompt_gradient = mode
+        trainer.training_step(model, rows_of(batch, rank), batch["num_items_in_batch"])
+
+    def set_sharded(on: bool) -> None:
+        trainer._prompt_shards = shards if on else None
+        trainer._engines.clear()
+
+    # DDP: the wrapper must never run forward (no buffer broadcast, no reducer armed).
+    set_sharded(False)
+    ddp = trainer.accelerator.prepare_model(trainer.model)
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+    wrapper_calls = []
+    ddp.register_forward_pre_hook(lambda *a: wrapper_calls.append(1))
+    for name, mode, micro_batches in [("ddp_exact", "exact", "AB"), ("ddp_detached", "detached", "B")]:
+        start = len(log)
+        trainer.model.zero_grad(set_to_none=True)
+        for i, key in enumerate(micro_batches):
+            if i < len(micro_batches) - 1:
+                with trainer.accelerator.no_sync(ddp):
+                    step(ddp, batches[key], mode)
+            else:
+                step(ddp, batches[key], mode)
+        results[name] = full_grads(trainer.model)
+        results["collectives"][name] = log[start:]
+    assert not wrapper_calls, "the engine ran a forward through the DDP wrapper"
+
+    # FSDP2 applied directly: on CPU, accelerate would silently turn an FSDP config into DDP.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fsdp = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    add_fused_lm_head(fsdp, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in fsdp.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
+    for name, mode, micro_batches in [("fsdp2_exact", "exact", "AB"), ("fsdp2_detached", "detached", "B")]:
+        start = len(log)
+        fsdp.zero_grad(set_to_none=True)
+        for i, key in enumerate(micro_batches):
+            fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            step(fsdp, batches[key], mode)
+        results[name] = full_grads(fsdp)
+        results["collectives"][name] = log[start:]
+        assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
+
+    # Sharded prompt state (over DDP).
+    set_sharded(True)
+    for name, mode in [("sharded_exact", "exact"), ("sharded_detached", "detached")]:
+        start = len(log)
+        trainer.model.zero_grad(set_to_none=True)
+        if mode == "exact":
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            trainer.model.gradient_checkpointing_disable()
+        step(ddp, batches["S"], mode)
+        results[name] = full_grads(trainer.model)
+        results["collectives"][name] = log[start:]
+    start = len(log)
+    fsdp.zero_grad(set_to_none=True)
+    fsdp.set_requires_gradient_sync(True)
+    step(fsdp, batches["S"], "exact")
+    results["fsdp2_sharded_exact"] = full_grads(fsdp)
+    results["collectives"]["fsdp2_sharded_exact"] = log[start:]
+    # An idle rank: nothing to back-propagate on rank 1 (micro-batch C, beta = 0), sharded or not.
+    trainer.beta = 0.0
+    for name, model, sharded in [
+        ("ddp_idle_rank", ddp, False),
+        ("fsdp2_idle_rank", fsdp, False),
+        ("sharded_idle_rank", ddp, True),
+    ]:
+        set_sharded(sharded)
+        start = len(log)
+        model.zero_grad(set_to_none=True)
+        step(model, batches["C"], "exact")
+        results[name] = full_grads(model.module if model is ddp else model)
+        results["collectives"][name] = log[start:]
+    trainer.beta = config.beta
+    set_sharded(True)
+    engine = trainer._engine(ddp)
+    local = rows_of(batches["S"], rank)
+    scored = (local["prompt_ids"], local["prompt_mask"], local["completion_ids"], local["completion_mask"])
+    engine.stats.reset()
+    with torch.no_grad():
+        logps, _ = engine.score(*scored)
+    results["state_bytes"]["sharded"] = engine.stats.state_bytes
+    set_sharded(False)
+    engine = trainer._engine(ddp)
+    engine.stats.reset()
+    with torch.no_grad():
+        engine.score(*scored)
+    results["state_bytes"]["unsharded"] = engine.stats.state_bytes
+
+    # Gather what rank 1 saw: its logps, collective sequences and state sizes.
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (logps, results["collectives"], results["state_bytes"], attention_errors))
+    if rank == 0:
+        results["sharded_logps"] = [e[0] for e in everyone]
+        results["collectives"] = [e[1] for e in everyone]
+        results["state_bytes"] = [e[2] for e in everyone]
+        results["attention_errors"] = [e[3] for e in everyone]
+        torch.save(results, out_path)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = 0
+    try:
+        main(*sys.argv[1:4])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # Explicit exit: gloo FSDP runs can abort while the interpreter tears down after passing.
+    os._exit(code)

@@ -1,0 +1,202 @@
+"""Data parallelism (DDP, FSDP2) and the sharded prompt state, on 2 CPU processes with gloo.
+
+One `torchrun` launch of `tests/dist_worker.py` runs every scenario (see its docstring); the tests below check its
+results against a single-process run of the same global batch in this process.
+
+The tiny qwen3_5 joins `FAMILIES` as soon as its adapter is registered (the qwen3_5 adapter lives on another branch).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from dist_worker import make_batches, trainer_config
+from tolerances import DIST_GRAD_RTOL, LOGP_ATOL, SHARDED_ATTN_ATOL_FP64
+
+from trl_longstraw import LongStrawGRPOTrainer
+from trl_longstraw.adapters import ADAPTERS
+from trl_longstraw.sharding import shard_group_size
+from trl_longstraw.testing import build_tokenizer
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = ["llama"] + (["qwen3_5"] if "qwen3_5" in ADAPTERS else [])
+# Seconds for the whole 2-process launch; ~35 s on 2 busy cores.
+LAUNCH_TIMEOUT = 400
+# Scenario of the worker -> its single-process reference.
+EXPECTED = {
+    "ddp_exact": "exact",
+    "ddp_detached": "detached",
+    "fsdp2_exact": "exact",
+    "fsdp2_detached": "detached",
+    "sharded_exact": "sharded_exact",
+    "sharded_detached": "sharded_detached",
+    "fsdp2_sharded_exact": "sharded_exact",
+    "ddp_idle_rank": "idle_rank",
+    "fsdp2_idle_rank": "idle_rank",
+    "sharded_idle_rank": "idle_rank",
+}
+SCENARIOS = list(EXPECTED)
+
+
+def _reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def launch(request, tiny_model_path, tmp_path_factory):
+    """Runs the worker on 2 processes; returns `(family, model path, batches, results, return code, output)`."""
+    family = request.param
+    path = tiny_model_path(family)
+    tmp = tmp_path_factory.mktemp(f"dist-{family}")
+    batches = make_batches(len(build_tokenizer()))
+    torch.save(batches, tmp / "batches.pt")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(ROOT / "tests" / "dist_worker.py"), str(path), str(tmp / "batches.pt"), str(tmp / "out.pt")]
+    # A session of its own, so that a hang is ended with the workers, not only the launcher.
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:  # a hang: the collectives did not meet
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the 2-process run did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
+    results = torch.load(tmp / "out.pt") if (tmp / "out.pt").exists() else None
+    return family, path, batches, results, proc.returncode, output
+
+
+@pytest.fixture(scope="module")
+def reference(launch):
+    """Single-process gradients of the same global batches: `{scenario: {param: grad}}`, and the logps of `S`."""
+    _, path, batches, _, _, _ = launch
+    config = trainer_config(str(Path(path) / "out"), num_generations=2)
+    trainer = LongStrawGRPOTrainer(str(path), _reward, config, train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}))
+    trainer._prepare_inputs = lambda x: x
+    trainer.current_gradient_accumulation_steps = 1
+
+    def grads(keys: str, mode: str, checkpointing: bool = False) -> dict[str, torch.Tensor]:
+        trainer.args.prompt_gradient = mode
+        if checkpointing:
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            trainer.model.gradient_checkpointing_disable()
+        trainer.model.zero_grad(set_to_none=True)
+        for key in keys:  # gradient accumulation over the micro-batches
+            batch = {k: v for k, v in batches[key].items() if k != "rank"}
+            trainer.training_step(trainer.model, batch, batch["num_items_in_batch"])
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+    refs = {"exact": grads("AB", "exact"), "detached": grads("B", "detached")}
+    refs["sharded_exact"] = grads("S", "exact", checkpointing=True)
+    refs["sharded_detached"] = grads("S", "detached")
+    trainer.beta = 0.0
+    refs["idle_rank"] = grads("C", "exact")
+    trainer.beta = config.beta
+    s = batches["S"]
+    with torch.no_grad():
+        logps, _ = trainer._engine(trainer.model).score(
+            s["prompt_ids"], s["prompt_mask"], s["completion_ids"], s["completion_mask"]
+        )
+    refs["sharded_logps"] = logps
+    return refs
+
+
+def _results(launch):
+    family, _, _, results, code, output = launch
+    assert code == 0 and results is not None, f"{family}: the 2-process run failed:\n{output[-6000:]}"
+    return results
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_clean_exit(launch):
+    """Both ranks finish, destroy the process group and exit 0 (no abort at interpreter teardown)."""
+    results = _results(launch)
+    assert "Traceback" not in launch[5]
+    assert set(SCENARIOS) <= set(results)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_gradients_match_single_process(launch, reference, scenario):
+    """DDP and FSDP2 (gradient accumulation included in exact mode) and the sharded prompt state give the gradient of
+    a single-process run of the same global batch, for every parameter."""
+    results = _results(launch)
+    expected = reference[EXPECTED[scenario]]
+    got = results[scenario]
+    assert set(got) == set(expected)
+    for name, ref in expected.items():
+        assert got[name] is not None, f"{scenario}: no gradient for {name}"
+        error = ((got[name] - ref).norm() / ref.norm()).item()
+        assert error <= DIST_GRAD_RTOL, f"{scenario}: {name} relative error {error:.2e}"
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
+def test_sharded_logps_match(launch, reference):
+    """Each rank's scores with the sharded prompt state equal the single-process ones of its rows."""
+    results = _results(launch)
+    rank_of_row = launch[2]["S"]["rank"]
+    for rank, logps in enumerate(results["sharded_logps"]):
+        torch.testing.assert_close(logps, reference["sharded_logps"][rank_of_row == rank], rtol=0, atol=LOGP_ATOL)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_sharded_state_is_split(launch):
+    """Rank 0 holds chunks 0 and 2 (7 of the 12 prefix tokens of the longest prompt), rank 1 chunk 1 (5 tokens)."""
+    results = _results(launch)
+    (rank0, rank1) = results["state_bytes"]
+    assert rank0["unsharded"] == rank1["unsharded"] > 0
+    assert rank0["sharded"] * 12 == rank0["unsharded"] * 7
+    assert rank1["sharded"] * 12 == rank1["unsharded"] * 5
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_sharded_attention_fp64(launch):
+    """`sharded_prefix_attention` equals `prefix_merge_attention` over the whole prefix, outputs and gradients; each
+    prefix chunk's gradient reaches its owner whole."""
+    results = _results(launch)
+    for rank, errors in enumerate(results["attention_errors"]):
+        assert any("dprefix" in key for key in errors), f"rank {rank} owns no chunk"
+        for key, error in errors.items():
+            assert error <= SHARDED_ATTN_ATOL_FP64, f"rank {rank}: {key} max error {error:.2e}"
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_collectives_equal_across_ranks(launch, scenario):
+    """Despite uneven work (different prompts, chunk counts, completions and lengths per rank), both ranks issue the
+    same collectives with the same shapes in the same order; the DDP wrapper never runs forward (checked in the
+    worker)."""
+    results = _results(launch)
+    rank0, rank1 = (per_rank[scenario] for per_rank in results["collectives"])
+    assert rank0 == rank1
+    names = {name for name, _ in rank0}
+    if scenario.startswith("ddp"):
+        assert "all_reduce" in names  # the explicit gradient all-reduce
+    if scenario.startswith("fsdp2"):
+        assert {"all_gather_single", "reduce_scatter_single"} <= names
+    if "sharded" in scenario:
+        assert {"all_gather_into_tensor", "all_to_all_single"} <= names
+
+
+@pytest.mark.parametrize(
+    ("world", "requested", "generations", "rows", "expected"),
+    [(2, 0, 8, 4, 2), (8, 4, 8, 2, 4), (8, 0, 16, 1, 8), (8, 2, 4, 1, 2), (8, 3, 24, 1, None), (2, 0, 4, 4, None)],
+)
+def test_shard_group_size(world, requested, generations, rows, expected):
+    """The shard group must divide the processes, and one prompt's completions must cover the group."""
+    if expected is None:
+        with pytest.raises(ValueError, match="prompt_shard_group_size"):
+            shard_group_size(world, requested, generations, rows)
+    else:
+        assert shard_group_size(world, requested, generations, rows) == expected

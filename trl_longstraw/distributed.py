@@ -1,0 +1,168 @@
+"""Data parallelism for the engine: DDP and FSDP2 with one gradient reduction per micro-batch and no hangs.
+
+The engine back-propagates many times per micro-batch (once per completion, then once per prompt chunk in exact mode),
+and ranks hold different numbers of prompts, completions and tokens. So no collective may hang off a single pass:
+a rank with more passes would wait forever for a partner. Both wrappers are therefore run *collective-free* while the
+engine works, and the gradient is reduced once, at the end of a micro-batch that must synchronize:
+
+- DDP: the engine calls the module inside the wrapper, never the wrapper itself, so DDP neither broadcasts buffers
+  nor arms its gradient hooks (they only fire after a forward through the wrapper). At the end of a micro-batch the
+  gradients are all-reduced explicitly, in buckets, and averaged over the ranks, as DDP does; skipped when the
+  micro-batch runs under `no_sync` (gradient accumulation), exactly like DDP.
+- FSDP2 (`fully_shard`): at the start of an engine call every FSDP module is unsharded once, in module order, with
+  resharding and gradient reduction switched off, so the passes (including the prompt prefill and reverse pass,
+  which call the decoder layers directly, not the root) issue no collective. Gradients accumulate unsharded, as
+  under FSDP2's own `set_requires_gradient_sync(False)`. A micro-batch that must synchronize ends with one *sync
+  pass*: a one-token forward and backward through the root with weight zero, identical on every rank, under the
+  reduction settings the caller had (so `no_sync`, HSDP's `set_requires_all_reduce(False)` and mixed-precision
+  reduce dtypes are honoured), with `reduce_scatter_unused_params` so that every rank reduce-scatters the same
+  parameters. Cost: each rank holds the full parameters and full gradients during the engine's work (FSDP2 still
+  shards them, and the optimizer state, between steps); the sync pass costs one token of compute.
+
+Both make the result equal to the single-process gradient of the global batch up to float summation order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+# Bucket size of the explicit DDP all-reduce, DDP's own default.
+ALLREDUCE_BUCKET_BYTES = 25 * 2**20
+
+
+def _fsdp_module_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6 has no public FSDP2
+        return None
+    return FSDPModule
+
+
+def fsdp2_root(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The outermost `fully_shard` module of `model` (itself or a submodule), or None."""
+    cls = _fsdp_module_class()
+    if cls is None:
+        return None
+    return next((m for m in model.modules() if isinstance(m, cls)), None)
+
+
+def branch_model(model: torch.nn.Module) -> torch.nn.Module:
+    """What the engine calls for a branch: the module inside a DDP wrapper (so DDP issues nothing), else `model`."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def allreduce_gradients(params: list[torch.nn.Parameter], group=None) -> None:
+    """Averages the `.grad` of `params` over the ranks of `group`, as DDP's reducer does.
+
+    Every rank must pass the same parameters in the same order. A parameter without a gradient on some rank but with
+    one elsewhere gets zeros there first; one without a gradient on every rank keeps `None` (one small all-reduce of
+    flags decides). Gradients are reduced in buckets of at most `ALLREDUCE_BUCKET_BYTES` per dtype.
+    """
+    world = dist.get_world_size(group)
+    if not params:
+        return
+    device = params[0].device
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    live = []
+    for p, h in zip(params, has.tolist(), strict=True):
+        if not h:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse:
+            raise ValueError("sparse gradients are not supported under DDP by trl_longstraw: use dense embeddings")
+        live.append(p)
+    buckets: dict[tuple, list[list[torch.nn.Parameter]]] = {}
+    for p in live:
+        key = (p.grad.dtype, p.grad.device)
+        runs = buckets.setdefault(key, [[]])
+        if runs[-1] and sum(q.grad.numel() * q.grad.element_size() for q in runs[-1]) >= ALLREDUCE_BUCKET_BYTES:
+            runs.append([])
+        runs[-1].append(p)
+    for runs in buckets.values():
+        for bucket in runs:
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            offset = 0
+            for p in bucket:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+
+
+def finish_ddp(model: torch.nn.Module) -> None:
+    """End of a micro-batch under DDP: average the gradients unless the wrapper is in `no_sync`.
+
+    Raises:
+        ValueError: if a DDP communication hook is registered (the explicit all-reduce would bypass it).
+    """
+    if not isinstance(model, DistributedDataParallel):
+        return
+    if getattr(model, "_comm_hooks", None):
+        raise ValueError(
+            "DDP communication hooks (e.g. DistributedDataParallelKwargs(comm_hook=...)) are not applied by "
+            "LongStrawGRPOTrainer, which all-reduces gradients itself once per micro-batch: remove the comm hook."
+        )
+    if model.require_backward_grad_sync:
+        allreduce_gradients([p for p in model.module.parameters() if p.requires_grad], model.process_group)
+
+
+# ------------------------------------------------------------------------------------------------------------ FSDP2
+def _param_groups(root) -> Iterator:
+    """Every FSDP parameter group under `root`, in module order. FSDP2 exposes no public accessor for these."""
+    cls = _fsdp_module_class()
+    for module in root.modules():
+        if isinstance(module, cls):
+            state = module._get_fsdp_state()
+            yield from getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+
+
+_GROUP_FLAGS = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grads", "all_reduce_grads")
+
+
+@contextlib.contextmanager
+def fsdp2_gathered(model: torch.nn.Module, sync_pass: Callable[[], None] | None = None):
+    """Runs the block with every FSDP2 module of `model` unsharded and no collective in forward or backward.
+
+    With `sync_pass` (a callable running one zero-weight forward and backward through the root), the gradients the
+    block accumulated are then reduced with the caller's reduction settings, if those ask for a reduction. Nothing
+    happens without an FSDP2 module.
+    """
+    root = fsdp2_root(model)
+    if root is None:
+        yield
+        return
+    # The root must be lazily initialized as the root before a decoder layer runs on its own, or that layer would
+    # claim the root role (FSDP2 picks the first module to run forward).
+    root._get_fsdp_state()._lazy_init()
+    groups = list(_param_groups(root))
+    saved = [{name: getattr(g, name) for name in _GROUP_FLAGS + ("reduce_scatter_unused_params",)} for g in groups]
+    modules = [m for m in root.modules() if isinstance(m, _fsdp_module_class())]
+    try:
+        for g in groups:
+            g.post_forward_mesh_info = None  # no reshard after forward
+            g.reshard_after_backward = False
+            g.reduce_grads = False
+            g.all_reduce_grads = False
+        for m in modules:  # the only all-gathers: once per module, same order on every rank
+            m.unshard()
+        yield
+        if sync_pass is not None and any(s["reduce_grads"] for s in saved):
+            for g, s in zip(groups, saved, strict=True):
+                g.reduce_grads = s["reduce_grads"]
+                g.all_reduce_grads = s["all_reduce_grads"]
+                g.reduce_scatter_unused_params = True
+            sync_pass()
+    finally:
+        for g, s in zip(groups, saved, strict=True):
+            for name, value in s.items():
+                setattr(g, name, value)
+        for m in modules:
+            m.reshard()

@@ -1,0 +1,299 @@
+"""Prompt state sharded across the ranks of a process group (`shard_prompt_state`).
+
+The ranks of a *shard group* hold the same prompts in every micro-batch (different completions of them). Each rank
+keeps the records of 1/W of the prompt's chunks: chunk `c` belongs to rank `c % W`. Every rank runs every prefill
+and reverse chunk (the chunk's compute is replicated, its state is not), so the per-rank compute equals the
+unsharded one while the prompt state shrinks W times.
+
+Attention over the prompt is a log-sum-exp merge of per-shard parts (`sharded_prefix_attention`): the queries of
+every rank are gathered, each rank scores them against its own chunks, the partial outputs and log-sum-exps go back
+to the query owners (one all-to-all) and are merged there with the branch's causal part. The backward is the flash
+decomposition: the owners' `dout`, `delta = rowsum(dout * out)` and global log-sum-exp are gathered, each rank
+computes the gradient of its own chunks (which thus stays on the rank that owns the record: exact mode reverses it
+there) and its share of every rank's query gradient, which an all-to-all returns to the query owners.
+
+Lockstep: a pass's collectives must meet partners on every rank, so all ranks run the same sequence of passes. Prompts
+are taken in one agreed order; prefill and reverse chunks are the same everywhere; branches run in rounds, and a rank
+with fewer completions than the others in a round runs a one-token *dummy* branch of weight zero.
+
+Records an adapter does not shard (emitted with `sharded=False`, e.g. a recurrent state, which is small and
+sequential) are replicated: every rank keeps its copy and accumulates the gradient of its own consumers into it;
+the replicated reverse pass back-propagates each rank's share, and the shares add up in the data-parallel gradient
+reduction. For the hooks an adapter uses, see `attend` and `Pass.emit(..., sharded=True)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from .attention import _acc, _blocks, _scores, prefix_merge_attention
+
+
+class PromptShards:
+    """The shard group of this rank, and the per-rank query lengths of the pass in progress.
+
+    Args:
+        group: the process group whose ranks share prompts (None: all processes).
+    """
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        # Query tokens of each rank in the current pass; set by the engine before every sharded pass.
+        self.lengths: list[int] = []
+
+    def owner(self, chunk: int) -> int:
+        """The rank (in the group) that keeps the records of prompt chunk `chunk`."""
+        return chunk % self.world
+
+    def replicated(self, n: int) -> None:
+        """Declares a pass where every rank runs the same `n` query tokens (a prefill or reverse chunk)."""
+        self.lengths = [n] * self.world
+
+    def agree(self, groups: list, lengths: list[list[int]]) -> tuple[list[int], list[list[list[int]]]]:
+        """Checks that every rank holds the same prompts and exchanges the branch lengths of each.
+
+        Args:
+            groups: this rank's prompt groups (`engine.PromptGroup`).
+            lengths: for each group, the lengths of the branches this rank will run.
+
+        Returns:
+            `(order, plan)`: the indices of `groups` in the agreed order, and `plan[i][r]`: the branch lengths of
+            rank `r` for the `i`-th prompt of that order.
+
+        Raises:
+            ValueError: on every rank, when the ranks hold different prompts.
+        """
+        keys = [_prompt_key(g) for g in groups]
+        order = sorted(range(len(groups)), key=keys.__getitem__)
+        mine = ([keys[i] for i in order], [lengths[i] for i in order])
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if any(other[0] != mine[0] for other in everyone):
+            counts = [len(other[0]) for other in everyone]
+            raise ValueError(
+                "shard_prompt_state needs every rank of a shard group to hold the same prompts (with the same left "
+                f"padding) in each micro-batch, but the ranks hold different ones (distinct prompts per rank: "
+                f"{counts}). Spread each prompt's completions over the group: make num_generations a multiple of "
+                "per_device_train_batch_size * prompt_shard_group_size (or of the whole world size), keep "
+                "group_shuffle=True, or set shard_prompt_state=False."
+            )
+        return order, [[other[1][i] for other in everyone] for i in range(len(order))]
+
+
+def shard_group_size(world: int, requested: int, num_generations: int, rows_per_process: int) -> int:
+    """The number of ranks per prompt shard group, checked against the way TRL spreads prompts over processes.
+
+    TRL gives each process `rows_per_process = per_device_train_batch_size * steps_per_generation` consecutive rows
+    of a stream in which each prompt repeats `num_generations` times, so the ranks of a group of consecutive ranks
+    hold the same prompts exactly when one prompt's completions cover the whole group.
+
+    Args:
+        world: number of processes.
+        requested: `prompt_shard_group_size`; 0 means all processes.
+
+    Raises:
+        ValueError: naming the settings to change.
+    """
+    size = requested or world
+    if world % size:
+        raise ValueError(
+            f"prompt_shard_group_size={size} does not divide the {world} processes: use a divisor of {world}, e.g. "
+            "the number of GPUs per node, or 0 for all processes."
+        )
+    if num_generations % (size * rows_per_process):
+        raise ValueError(
+            f"shard_prompt_state needs the {size} ranks of a shard group to hold the same prompts, so num_generations "
+            f"({num_generations}) must be a multiple of prompt_shard_group_size * per_device_train_batch_size * "
+            f"steps_per_generation ({size} * {rows_per_process} rows per process). Raise num_generations, lower the "
+            "per-device batch or the shard group size, or set shard_prompt_state=False."
+        )
+    return size
+
+
+def _prompt_key(group) -> str:
+    digest = hashlib.sha256(group.tokens.cpu().numpy().tobytes()).hexdigest()
+    return f"{group.pad}:{group.tokens.shape[0]}:{digest}"
+
+
+def _merge(qf: torch.Tensor, parts, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of folded queries `qf` `[1, Hkv, g, T, D]` over `parts` (`(k, v, causal_offset)`).
+
+    Returns `out` `[1, Hkv, g, T, Dv]` and `lse` `[1, Hkv, g, T]` in the accumulation dtype; `lse` is -inf (and
+    `out` zero) for rows that see no key.
+    """
+    acc = _acc(qf)
+    out = lse = None
+    for bk, bv, causal_offset in parts:
+        s = _scores(qf, bk, scale, causal_offset)
+        block_lse = torch.logsumexp(s, dim=-1)
+        if out is None:
+            out = torch.zeros(*qf.shape[:-1], bv.shape[-1], dtype=acc, device=qf.device)
+            lse = torch.full(qf.shape[:-1], float("-inf"), dtype=acc, device=qf.device)
+        new_lse = torch.logaddexp(lse, block_lse)
+        # Rows with new_lse = -inf saw no key yet: keep them at zero instead of exp(-inf - -inf) = nan.
+        safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+        p = torch.exp(s - safe[..., None])
+        out = out * torch.exp(lse - safe)[..., None] + torch.einsum("bhgts,bhsd->bhgtd", p, bv.to(acc))
+        lse = new_lse
+    return out, lse
+
+
+def _prefix_parts(prefix):
+    for pk, pv in zip(prefix[0::2], prefix[1::2], strict=True):
+        for _, bk, bv in _blocks(pk, pv):
+            yield bk, bv, None
+
+
+def _self_parts(k, v):
+    for start, bk, bv in _blocks(k, v):
+        yield bk, bv, start
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` `[W, ...]`: slice `j` goes to rank `j`; returns `[W, ...]` whose slice `s` came from rank `s`."""
+    x = x.contiguous()
+    out = torch.empty_like(x)  # after contiguous(): empty_like would keep a permuted layout
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """`x` `[1, ...]` of every rank, stacked: `[W, ...]`."""
+    out = x.new_empty(world, *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _pad_t(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
+    """Zero-pads dimension `dim` of `x` to length `t`."""
+    if x.shape[dim] == t:
+        return x
+    shape = list(x.shape)
+    shape[dim] = t - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+class _ShardedPrefixAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scale: float, shards: PromptShards, q, k, v, *prefix):
+        world, group, lengths = shards.world, shards.group, list(shards.lengths)
+        _, hq, t, d = q.shape
+        hkv, dv = k.shape[1], v.shape[-1]
+        g, tmax = hq // hkv, max(lengths)
+        if lengths[shards.rank] != t:
+            raise RuntimeError(f"sharded attention: this rank runs {t} query tokens, the pass declared {lengths}")
+        # Every rank's queries, stacked along the token axis: [1, Hkv, g, W * Tmax, D].
+        qall = _all_gather(_pad_t(q, tmax, 2), world, group)
+        qall = qall.view(world, hkv, g, tmax, d).permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, d)
+        acc = _acc(q)
+        o_loc, lse_loc = _merge(qall, _prefix_parts(prefix), scale)
+        if o_loc is None:  # this rank holds no visible chunk
+            o_loc = torch.zeros(1, hkv, g, world * tmax, dv, dtype=acc, device=q.device)
+            lse_loc = torch.full((1, hkv, g, world * tmax), float("-inf"), dtype=acc, device=q.device)
+        packed = torch.cat([o_loc, lse_loc[..., None]], dim=-1).view(hkv, g, world, tmax, dv + 1)
+        received = _all_to_all(packed.permute(2, 0, 1, 3, 4), group)[:, :, :, :t]  # [W, Hkv, g, T, Dv + 1]
+        o_self, lse_self = _merge(q.view(1, hkv, g, t, d), _self_parts(k, v), scale)
+        lses = torch.cat([lse_self, received[..., dv]], dim=0)  # [W + 1, Hkv, g, T]
+        lse = torch.logsumexp(lses, dim=0, keepdim=True)  # [1, Hkv, g, T], finite: each query sees its own key
+        weights = torch.exp(lses - lse)[..., None]
+        out = (weights * torch.cat([o_self, received[..., :dv]], dim=0)).sum(0, keepdim=True)  # [1, Hkv, g, T, Dv]
+        ctx.scale, ctx.shards, ctx.lengths = scale, shards, lengths
+        ctx.save_for_backward(q, k, v, qall, out, lse, *prefix)
+        return out.view(1, hq, t, dv).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, qall, out, lse, *prefix = ctx.saved_tensors
+        shards, scale, lengths = ctx.shards, ctx.scale, ctx.lengths
+        world, group = shards.world, shards.group
+        _, hq, t, d = q.shape
+        hkv, dv = k.shape[1], v.shape[-1]
+        g, tmax = hq // hkv, max(lengths)
+        acc = out.dtype
+        dout = grad_out.to(acc).view(out.shape)  # [1, Hkv, g, T, Dv]
+        delta = (dout * out).sum(-1)  # [1, Hkv, g, T]
+
+        def grads(qf, keys, values, dout, delta, lse, causal: bool, need_kv: bool):
+            """dq of folded queries `qf` against `keys`/`values`, and their grads when `need_kv`."""
+            dq = torch.zeros(qf.shape, dtype=acc, device=qf.device)
+            dks, dvs = [], []
+            for start, bk, bv in _blocks(keys, values):
+                s = _scores(qf, bk, scale, start if causal else None)
+                p = torch.exp(s - lse[..., None])
+                dp = torch.einsum("bhgtd,bhsd->bhgts", dout, bv.to(acc))
+                ds = p * (dp - delta[..., None]) * scale
+                dq.add_(torch.einsum("bhgts,bhsd->bhgtd", ds, bk.to(acc)))
+                if need_kv:
+                    dvs.append(torch.einsum("bhgts,bhgtd->bhsd", p, dout))
+                    dks.append(torch.einsum("bhgts,bhgtd->bhsd", ds, qf.to(acc)))
+            if not need_kv:
+                return dq, None, None
+            return dq, torch.cat(dks, dim=2).to(keys.dtype), torch.cat(dvs, dim=2).to(values.dtype)
+
+        # Own causal part, with the global log-sum-exp.
+        dq, dk, dvv = grads(q.view(1, hkv, g, t, d), k, v, dout, delta, lse, causal=True, need_kv=True)
+
+        # Every rank's dout, delta and lse. Padded rows are zero: their scores are 0, p = 1 and dp = delta = 0.
+        mine = _pad_t(torch.cat([dout, delta[..., None], lse[..., None]], dim=-1), tmax, 3)
+        theirs = _all_gather(mine, world, group)  # [W, Hkv, g, Tmax, Dv + 2]
+        theirs = theirs.permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, dv + 2)
+        dout_all, delta_all, lse_all = theirs[..., :dv], theirs[..., dv], theirs[..., dv + 1]
+        dq_all = torch.zeros(qall.shape, dtype=acc, device=q.device)
+        prefix_grads = []
+        for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
+            need = ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i]
+            dq_part, dpk, dpv = grads(qall, pk, pv, dout_all, delta_all, lse_all, causal=False, need_kv=need)
+            dq_all += dq_part
+            prefix_grads += [dpk, dpv]
+        # Each rank's share of every rank's query gradient goes back to the query owner.
+        shares = dq_all.view(hkv, g, world, tmax, d).permute(2, 0, 1, 3, 4)
+        dq = dq + _all_to_all(shares, group).sum(0, keepdim=True)[:, :, :, :t]
+        return None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
+
+
+def sharded_prefix_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix: list[tuple[torch.Tensor, torch.Tensor] | None],
+    scale: float,
+    shards: PromptShards,
+) -> torch.Tensor:
+    """`prefix_merge_attention` over a prefix whose chunks are spread over the ranks of `shards`.
+
+    Collective: every rank of the group must call it for the same layer of the same pass (see `PromptShards`).
+
+    Args:
+        query: `[1, Hq, T, D]`, `T = shards.lengths[rank]`.
+        key, value: `[1, Hkv, T, D]` (`Dv` for value), the keys of the queries' own positions (causal).
+        prefix: the visible chunk records `(k_i, v_i)` `[1, Hkv, S_i, D]`, `None` for chunks held by other ranks.
+        scale: softmax scale.
+
+    Returns:
+        `[1, Hq, T, Dv]` in the dtype of `query`.
+    """
+    if query.shape[0] != 1:
+        raise ValueError("sharded prompt state attends one row at a time (batch 1)")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key heads ({key.shape[1]})")
+    flat = [x for kv in prefix if kv is not None for x in kv]
+    return _ShardedPrefixAttention.apply(scale, shards, query, key, value, *flat)
+
+
+def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
+    """The prompt attention of a KV layer for the active pass `p`: attends, then emits `(key, value)` as the record.
+
+    Sharded when the pass is (`p.shard`), so adapters whose attention fits `(q, k, v)` need nothing else.
+    """
+    records = p.read(layer_idx)
+    if p.shard is None:
+        out = prefix_merge_attention(query, key, value, records, scale)
+    else:
+        out = sharded_prefix_attention(query, key, value, records, scale, p.shard)
+    p.emit(layer_idx, (key, value), sharded=True)
+    return out
