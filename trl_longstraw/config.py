@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 PROMPT_GRADIENT_MODES = ("exact", "detached")
+NONFINITE_POLICIES = ("raise", "skip")
 
 
 @dataclass
@@ -27,6 +28,11 @@ class LongStrawGRPOConfig(GRPOConfig):
             so that the completions of one prompt share one prefill.
         prefill_progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over the prefill chunks of prompts longer than one chunk (main process only).
+        on_nonfinite (`str`, *optional*, defaults to `"raise"`):
+            What a micro-batch whose per-token log-probs, entropies, loss or loss gradient are NaN or infinite does,
+            checked before anything is back-propagated into the parameters. `"raise"`: stop with a `FloatingPointError`
+            naming the rows and the step. `"skip"`: log a warning and skip the micro-batch (no gradient, loss logged as
+            NaN); single-process runs only.
     """
 
     prompt_gradient: str = field(
@@ -53,6 +59,15 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={"help": "Show a progress bar over the prefill chunks of prompts longer than one chunk."},
     )
 
+    on_nonfinite: str = field(
+        default="raise",
+        metadata={
+            "help": "A micro-batch with NaN/inf log-probs, entropies, loss or loss gradient: 'raise' (stop, naming "
+            "the rows and the step) or 'skip' (warn and skip the micro-batch; single-process runs only).",
+            "choices": list(NONFINITE_POLICIES),
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.prompt_gradient not in PROMPT_GRADIENT_MODES:
@@ -60,7 +75,13 @@ class LongStrawGRPOConfig(GRPOConfig):
                 f"prompt_gradient={self.prompt_gradient!r} is not supported: use 'exact' (gradients equal "
                 "GRPOTrainer's) or 'detached' (longer prompts, biased gradient)."
             )
-        if not isinstance(self.prefill_chunk_size, int) or self.prefill_chunk_size <= 0:
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"on_nonfinite={self.on_nonfinite!r} is not supported: use 'raise' (stop at the first micro-batch "
+                "with NaN/inf values) or 'skip' (skip such micro-batches with a warning)."
+            )
+        chunk = self.prefill_chunk_size
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
             raise ValueError(
                 f"prefill_chunk_size={self.prefill_chunk_size!r} must be a positive number of tokens, e.g. 4096."
             )
