@@ -10,15 +10,17 @@ gradient as its weight; in exact mode the gradient left on the prompt state is f
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
+from torch.utils.data import Sampler
 from transformers import PreTrainedModel
 from transformers.utils import logging
 from trl import GRPOTrainer
-from trl.trainer.utils import split_tensor_dict
+from trl.trainer.utils import RepeatSampler, split_tensor_dict
 
 from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
@@ -26,6 +28,8 @@ from .engine import Engine, group_prompts
 
 logger = logging.get_logger(__name__)
 
+# Per-process file, in each checkpoint folder, of the generation buffer (see `_save_rng_state`).
+GENERATION_STATE_NAME = "longstraw_generation_{}.pt"
 # Per-row inputs that are reported when a micro-batch is non-finite, to point at the cause. Not
 # `sampling_per_token_logps`: vLLM returns NaN there legitimately and TRL neutralizes it.
 _NONFINITE_CONTEXT = ("advantages", "old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
@@ -273,7 +277,52 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if torch.cuda.is_available():
             metrics["longstraw/peak_memory_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
 
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    def _generation_layout(self) -> dict[str, int]:
+        """The settings under which a saved generation buffer means the same thing on resume."""
+        args = self.args
+        return {
+            "world_size": args.world_size,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "steps_per_generation": args.steps_per_generation,
+            "num_iterations": self.num_iterations,
+        }
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Saves, with each process's RNG state, its generation buffer and micro-step counter.
+
+        `GRPOTrainer` does not checkpoint them: a run resumed between two generations regenerates early (different
+        completions) and its later generations fall on different steps. They are restored together with the RNG state
+        (`_load_rng_state`), so the resumed steps equal those of an uninterrupted run.
+        """
+        super()._save_rng_state(output_dir)
+        state = {"step": self._step, "buffered_inputs": self._buffered_inputs, "layout": self._generation_layout()}
+        torch.save(state, os.path.join(output_dir, GENERATION_STATE_NAME.format(self.args.process_index)))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, GENERATION_STATE_NAME.format(self.args.process_index))
+        if not os.path.isfile(path):
+            logger.warning(f"{path} not found: resuming as GRPOTrainer does, regenerating completions at once.")
+            return
+        state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
+        if state["layout"] != self._generation_layout():
+            logger.warning(
+                f"the checkpoint's generation buffer was saved with {state['layout']}, this run has "
+                f"{self._generation_layout()}: regenerating completions at once instead of resuming it."
+            )
+            return
+        self._step = state["step"]
+        self._buffered_inputs = state["buffered_inputs"]
+
     # ---------------------------------------------------------------------------------------------------- inputs
+    def _get_train_sampler(self, dataset=None) -> Sampler:
+        sampler = super()._get_train_sampler(dataset)
+        return EpochSampler(sampler) if isinstance(sampler, RepeatSampler) else sampler
+
     def _prepare_inputs(self, generation_batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
         if not (self.args.group_shuffle and self.model.training):
             return super()._prepare_inputs(generation_batch)
@@ -330,6 +379,32 @@ def shuffle_groups(batch: dict[str, Any], micro_batch_size: int, group_size: int
         return [value[i] for i in permutation.tolist()]
 
     return {key: permute(value) for key, value in batch.items()}
+
+
+class EpochSampler(Sampler):
+    """TRL's `RepeatSampler`, made to give epoch `e` the same order in a resumed run as in an uninterrupted one.
+
+    `RepeatSampler` draws each epoch's permutation from one generator seeded once, so a run resumed in epoch `e > 0`
+    replays the permutation of epoch 0. The Trainer calls `set_epoch(e)` before iterating each epoch; this reseeds
+    the generator and draws the permutations of the `e` previous epochs again, which gives exactly the order of an
+    uninterrupted run.
+    """
+
+    def __init__(self, sampler: RepeatSampler):
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        sampler = self.sampler
+        if sampler.shuffle and sampler.seed is not None:
+            sampler.generator.manual_seed(sampler.seed)
+            for _ in range(epoch):
+                torch.randperm(sampler.num_samples, generator=sampler.generator)
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
 
 
 def _check_args(args: LongStrawGRPOConfig) -> None:
