@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 PROMPT_GRADIENT_MODES = ("exact", "detached")
+NONFINITE_POLICIES = ("raise", "skip")
 
 
 @dataclass
@@ -36,6 +37,11 @@ class LongStrawGRPOConfig(GRPOConfig):
         prompt_shard_group_size (`int`, *optional*, defaults to `0`):
             Ranks per shard group, consecutive in rank order (e.g. the GPUs of one node); `0` means all processes.
             Must divide the number of processes.
+        on_nonfinite (`str`, *optional*, defaults to `"raise"`):
+            What a micro-batch whose per-token log-probs, entropies, loss or loss gradient are NaN or infinite does,
+            checked before anything is back-propagated into the parameters. `"raise"`: stop with a `FloatingPointError`
+            naming the rows and the step. `"skip"`: log a warning and skip the micro-batch (no gradient, loss logged as
+            NaN); single-process runs only.
     """
 
     prompt_gradient: str = field(
@@ -76,6 +82,14 @@ class LongStrawGRPOConfig(GRPOConfig):
             "processes. Must divide the number of processes."
         },
     )
+    on_nonfinite: str = field(
+        default="raise",
+        metadata={
+            "help": "A micro-batch with NaN/inf log-probs, entropies, loss or loss gradient: 'raise' (stop, naming "
+            "the rows and the step) or 'skip' (warn and skip the micro-batch; single-process runs only).",
+            "choices": list(NONFINITE_POLICIES),
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -89,7 +103,13 @@ class LongStrawGRPOConfig(GRPOConfig):
                 f"prompt_shard_group_size={self.prompt_shard_group_size!r} must be 0 (all processes) or a positive "
                 "number of ranks that divides the number of processes."
             )
-        if not isinstance(self.prefill_chunk_size, int) or self.prefill_chunk_size <= 0:
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"on_nonfinite={self.on_nonfinite!r} is not supported: use 'raise' (stop at the first micro-batch "
+                "with NaN/inf values) or 'skip' (skip such micro-batches with a warning)."
+            )
+        chunk = self.prefill_chunk_size
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
             raise ValueError(
                 f"prefill_chunk_size={self.prefill_chunk_size!r} must be a positive number of tokens, e.g. 4096."
             )

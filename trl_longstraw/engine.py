@@ -201,6 +201,10 @@ class Engine:
         # (scoring pass, then backward pass of the same micro-batch).
         self._kept: tuple[tuple[int, bytes], PromptState] | None = None
 
+    def release(self) -> None:
+        """Drops the prompt state kept between the scoring and the backward pass of a micro-batch."""
+        self._kept = None
+
     # ----------------------------------------------------------------------------------------------------- prompt
     def _backbone(self):
         return self.causal_lm.base_model

@@ -9,20 +9,32 @@ gradient as its weight; in exact mode the gradient left on the prompt state is f
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType
+from torch.utils.data import Sampler
 from transformers import PreTrainedModel
+from transformers.utils import logging
 from trl import GRPOTrainer
-from trl.trainer.utils import split_tensor_dict
+from trl.trainer.utils import RepeatSampler, split_tensor_dict
 
 from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
 from .engine import Engine, group_prompts
 from .sharding import PromptShards, shard_group_size
+
+logger = logging.get_logger(__name__)
+
+# Per-process file, in each checkpoint folder, of the generation buffer (see `_save_rng_state`).
+GENERATION_STATE_NAME = "longstraw_generation_{}.pt"
+# Per-row inputs that are reported when a micro-batch is non-finite, to point at the cause. Not
+# `sampling_per_token_logps`: vLLM returns NaN there legitimately and TRL neutralizes it.
+_NONFINITE_CONTEXT = ("advantages", "old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
 
 
 def _causal_lm(model) -> PreTrainedModel:
@@ -160,6 +172,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _loss_and_backward(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """Scores the micro-batch once, evaluates TRL's loss on the scores, then back-propagates branch by branch."""
+        self._check_completions(inputs["completion_mask"])
         engine = self._engine(model)
         engine.stats.reset()
         prompt = (inputs["prompt_ids"], inputs["prompt_mask"])
@@ -170,6 +183,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             logps, entropies = engine.score(*prompt, *completion, keep_last=True)
         wrt = [logps.requires_grad_()] + ([entropies.requires_grad_()] if entropies is not None else [])
         self._precomputed = (logps, entropies)
+        metrics_before = {key: len(values) for key, values in self._metrics["train"].items()}
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
@@ -177,6 +191,33 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         grad_logps = torch.zeros_like(logps) if grads[0] is None else grads[0]
         grad_entropies = grads[1] if len(grads) > 1 else None
+        per_token = {
+            "per-token log-probs": logps,
+            "per-token entropies": entropies,
+            "loss gradients w.r.t. log-probs": grad_logps,
+            "loss gradients w.r.t. entropies": grad_entropies,
+        }
+        problem = self._nonfinite(inputs, per_token, loss)
+        if self.args.on_nonfinite == "skip":
+            self._metrics["train"]["longstraw/nonfinite_skipped"].append(float(problem is not None))
+        if problem is not None:
+            engine.release()
+            if self.args.on_nonfinite == "raise":
+                raise FloatingPointError(
+                    f"{problem}. Nothing of this micro-batch was back-propagated. Common causes: diverged weights "
+                    "(lower learning_rate, keep max_grad_norm clipping on), a reward function returning NaN/inf, or "
+                    "fp16 overflow (use bf16). Set on_nonfinite='skip' to skip such micro-batches with a warning."
+                )
+            logger.warning(f"{problem}. Skipping this micro-batch (on_nonfinite='skip'): it contributes no gradient.")
+            # The metrics of a skipped micro-batch are dropped with it; its loss is logged as NaN, which the
+            # Trainer's logging_nan_inf_filter leaves out of the logged average.
+            metrics = self._metrics["train"]
+            for key in list(metrics):
+                if key != "longstraw/nonfinite_skipped":
+                    del metrics[key][metrics_before.get(key, 0) :]
+                    if not metrics[key]:
+                        del metrics[key]
+            return torch.full_like(loss.detach(), math.nan)
         engine.backward(
             *prompt,
             *completion,
@@ -187,6 +228,69 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         )
         self._log_engine_stats(engine)
         return loss.detach()
+
+    def _check_completions(self, completion_mask: torch.Tensor) -> None:
+        """Refuses empty completions (rows of `completion_mask` `[B, C]`) unless `mask_truncated_completions` is on.
+
+        With `mask_truncated_completions=True`, TRL zeroes the mask of every truncated completion: such rows
+        legitimately contribute nothing, exactly as in `GRPOTrainer`. Otherwise every completion TRL builds holds at
+        least one token, so an all-zero row means the generator (or a `rollout_func`) returned no tokens: its reward
+        still shapes its group's advantages while the row itself trains nothing.
+        """
+        if self.mask_truncated_completions:
+            return
+        empty = (completion_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(
+                f"rows {empty} of the micro-batch at global_step={self.state.global_step} have an empty completion "
+                "(completion_mask all zero) while mask_truncated_completions=False: the generator or rollout_func "
+                "returned no tokens for them. Check the generation settings (e.g. a prompt that fills the "
+                "generator's context window, max_completion_length) or the rollout_func; set "
+                "mask_truncated_completions=True only if masked-out completions are intended."
+            )
+
+    def _nonfinite(
+        self, inputs: dict[str, Any], per_token: dict[str, torch.Tensor | None], loss: torch.Tensor
+    ) -> str | None:
+        """Describes the non-finite values among `per_token` (`[B, C]`, at the completion mask) and `loss`, or `None`.
+
+        Agreed across processes, so that all of them raise (or skip) together instead of some waiting forever in a
+        collective. The description names the rows of the micro-batch and the step, and the per-row inputs that are
+        non-finite too, which usually point at the cause.
+        """
+        mask = inputs["completion_mask"].bool()
+        found = []
+        for name, values in per_token.items():
+            if values is not None:
+                rows = (~torch.isfinite(values) & mask).any(dim=1).nonzero().flatten().tolist()
+                if rows:
+                    found.append(f"{name} in rows {rows}")
+        if not bool(torch.isfinite(loss)):
+            found.append(f"the loss ({loss.item()})")
+        # Every process takes part in the reduction, whatever it found.
+        flag = self.accelerator.reduce(torch.tensor(float(bool(found)), device=mask.device), reduction="sum")
+        if not bool(flag > 0):
+            return None
+        if not found:
+            found.append("values on another process")
+        context = []
+        for name in _NONFINITE_CONTEXT:
+            value = inputs.get(name)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim in (1, 2):
+                bad = ~torch.isfinite(value)
+                if value.ndim == 2 and value.shape == mask.shape:
+                    bad = bad & mask
+                rows = (bad if bad.ndim == 1 else bad.any(dim=1)).nonzero().flatten().tolist()
+                if rows:
+                    context.append(f"{name} in rows {rows}")
+        where = (
+            f"while computing optimizer step {self.state.global_step + 1} (global_step={self.state.global_step}, "
+            f"micro-batch {self._step} of this run)"
+        )
+        message = f"non-finite {', '.join(found)} {where}"
+        if context:
+            message += f"; non-finite inputs: {', '.join(context)}"
+        return message
 
     def _log_engine_stats(self, engine: Engine) -> None:
         metrics = self._metrics["train"]
@@ -199,7 +303,52 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if torch.cuda.is_available():
             metrics["longstraw/peak_memory_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
 
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    def _generation_layout(self) -> dict[str, int]:
+        """The settings under which a saved generation buffer means the same thing on resume."""
+        args = self.args
+        return {
+            "world_size": args.world_size,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "steps_per_generation": args.steps_per_generation,
+            "num_iterations": self.num_iterations,
+        }
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Saves, with each process's RNG state, its generation buffer and micro-step counter.
+
+        `GRPOTrainer` does not checkpoint them: a run resumed between two generations regenerates early (different
+        completions) and its later generations fall on different steps. They are restored together with the RNG state
+        (`_load_rng_state`), so the resumed steps equal those of an uninterrupted run.
+        """
+        super()._save_rng_state(output_dir)
+        state = {"step": self._step, "buffered_inputs": self._buffered_inputs, "layout": self._generation_layout()}
+        torch.save(state, os.path.join(output_dir, GENERATION_STATE_NAME.format(self.args.process_index)))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, GENERATION_STATE_NAME.format(self.args.process_index))
+        if not os.path.isfile(path):
+            logger.warning(f"{path} not found: resuming as GRPOTrainer does, regenerating completions at once.")
+            return
+        state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
+        if state["layout"] != self._generation_layout():
+            logger.warning(
+                f"the checkpoint's generation buffer was saved with {state['layout']}, this run has "
+                f"{self._generation_layout()}: regenerating completions at once instead of resuming it."
+            )
+            return
+        self._step = state["step"]
+        self._buffered_inputs = state["buffered_inputs"]
+
     # ---------------------------------------------------------------------------------------------------- inputs
+    def _get_train_sampler(self, dataset=None) -> Sampler:
+        sampler = super()._get_train_sampler(dataset)
+        return EpochSampler(sampler) if isinstance(sampler, RepeatSampler) else sampler
+
     def _prepare_inputs(self, generation_batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
         if not (self.args.group_shuffle and self.model.training):
             return super()._prepare_inputs(generation_batch)
@@ -207,30 +356,46 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             generation_batch = self._generate_and_score_completions(generation_batch)
-            generation_batch = shuffle_groups(generation_batch, self.args.per_device_train_batch_size)
+            generation_batch = shuffle_groups(
+                generation_batch, self.args.per_device_train_batch_size, _local_group_size(self.args)
+            )
             self._buffered_inputs = split_tensor_dict(generation_batch, self.args.steps_per_generation)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
 
-def shuffle_groups(batch: dict[str, Any], micro_batch_size: int) -> dict[str, Any]:
-    """Permutes the rows of `batch` so that groups (rows with one prompt) move as a whole, in random order.
+def _local_group_size(args: LongStrawGRPOConfig) -> int:
+    """Rows of one group that a process's generation batch holds together: `num_generations` when it holds whole
+    groups, fewer when a group is spread over processes. Group and process boundaries both fall on its multiples."""
+    return math.gcd(args.num_generations, args.per_device_train_batch_size * args.steps_per_generation)
+
+
+def shuffle_groups(batch: dict[str, Any], micro_batch_size: int, group_size: int) -> dict[str, Any]:
+    """Permutes the rows of `batch` so that groups (`group_size` rows of one prompt) move as a whole, in random order.
+
+    The rows of each prompt are cut into groups in their order in the batch, so a prompt that occurs several times in
+    the dataset makes several groups.
 
     Raises:
-        ValueError: if the groups cannot tile the micro-batches: they must all have one size `s`, and `s` must
-            divide `micro_batch_size` or be a multiple of it.
+        ValueError: if the groups cannot tile the micro-batches: each prompt must have a multiple of `group_size` rows,
+            and `group_size` must divide `micro_batch_size` or be a multiple of it.
     """
-    groups = group_prompts(batch["prompt_ids"], batch["prompt_mask"])
-    sizes = {len(g.rows) for g in groups}
-    size = next(iter(sizes))
-    if len(sizes) > 1 or (micro_batch_size % size and size % micro_batch_size):
+    groups = []
+    for prompt in group_prompts(batch["prompt_ids"], batch["prompt_mask"]):
+        groups += [prompt.rows[i : i + group_size] for i in range(0, len(prompt.rows), group_size)]
+    sizes = sorted(len(rows) for rows in groups)
+    if (
+        sizes[0] != group_size
+        or sizes[-1] != group_size
+        or (micro_batch_size % group_size and group_size % micro_batch_size)
+    ):
         raise ValueError(
-            f"group_shuffle needs whole groups per micro-batch, but this process holds groups of sizes "
-            f"{sorted(len(g.rows) for g in groups)} for micro-batches of {micro_batch_size} rows. Make "
-            "per_device_train_batch_size a multiple or a divisor of num_generations (and the generation batch of each "
-            "process a multiple of num_generations), or set group_shuffle=False."
+            f"group_shuffle needs whole groups of {group_size} rows per micro-batch, but this process holds groups of "
+            f"sizes {sizes} for micro-batches of {micro_batch_size} rows. Make per_device_train_batch_size a multiple "
+            "or a divisor of num_generations, keep the rows of each group consecutive in the generation batch (as "
+            "TRL's RepeatSampler does), or set group_shuffle=False."
         )
     order = torch.randperm(len(groups)).tolist()
-    permutation = torch.tensor([row for i in order for row in groups[i].rows])
+    permutation = torch.tensor([row for i in order for row in groups[i]])
 
     def permute(value):
         if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
@@ -242,8 +407,49 @@ def shuffle_groups(batch: dict[str, Any], micro_batch_size: int) -> dict[str, An
     return {key: permute(value) for key, value in batch.items()}
 
 
+class EpochSampler(Sampler):
+    """TRL's `RepeatSampler`, made to give epoch `e` the same order in a resumed run as in an uninterrupted one.
+
+    `RepeatSampler` draws each epoch's permutation from one generator seeded once, so a run resumed in epoch `e > 0`
+    replays the permutation of epoch 0. The Trainer calls `set_epoch(e)` before iterating each epoch; this reseeds
+    the generator and draws the permutations of the `e` previous epochs again, which gives exactly the order of an
+    uninterrupted run.
+    """
+
+    def __init__(self, sampler: RepeatSampler):
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        sampler = self.sampler
+        if sampler.shuffle and sampler.seed is not None:
+            sampler.generator.manual_seed(sampler.seed)
+            for _ in range(epoch):
+                torch.randperm(sampler.num_samples, generator=sampler.generator)
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
 def _check_args(args: LongStrawGRPOConfig) -> None:
     """Settings that the engine cannot honour exactly. Each message names the alternative."""
+    micro_batch, group = args.per_device_train_batch_size, _local_group_size(args)
+    if args.group_shuffle and micro_batch % group and group % micro_batch:
+        raise ValueError(
+            f"group_shuffle cannot split the generation batch into micro-batches of whole groups: "
+            f"per_device_train_batch_size={micro_batch} is neither a multiple nor a divisor of the {group} rows of a "
+            f"group that each process holds (num_generations={args.num_generations}, "
+            f"steps_per_generation={args.steps_per_generation}). Make per_device_train_batch_size a multiple or a "
+            "divisor of num_generations, or set group_shuffle=False."
+        )
+    if args.on_nonfinite == "skip" and args.world_size > 1:
+        raise ValueError(
+            "on_nonfinite='skip' is supported in single-process runs only: skipping the last micro-batch of an "
+            "accumulation window on every process would leave the window's gradients unsynchronized. Use "
+            "on_nonfinite='raise'."
+        )
     if args.use_liger_kernel:
         raise ValueError("use_liger_kernel is not supported by LongStrawGRPOTrainer: set use_liger_kernel=False.")
     if args.deepspeed:
