@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
+from .glm_moe_dsa import GlmMoeDsaAdapter
 from .kv import KVCacheAdapter
 
 ADAPTERS = {
@@ -16,6 +17,7 @@ ADAPTERS = {
     "qwen2": KVCacheAdapter,
     "qwen3": KVCacheAdapter,
     "qwen3_moe": KVCacheAdapter,
+    "glm_moe_dsa": GlmMoeDsaAdapter,
 }
 
 

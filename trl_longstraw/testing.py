@@ -13,6 +13,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+# Standard deviation of the DSA indexer weights of tiny glm_moe_dsa models (see `spread_indexer_weights`).
+INDEXER_STD = 1.0
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 # Word-level vocabulary: single characters, digits and a few words, enough for the synthetic tasks.
 WORDS = (
@@ -50,6 +52,32 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+# Settings of tiny models that differ from the common base, per family.
+TINY_FAMILY_OVERRIDES = {
+    # MLA with odd latent/head sizes, a DSA top-k of 5 (prompts exceed it, so selection happens), a "shared" indexer
+    # layer reusing the previous selection, one dense then two MoE layers (4 experts, 2 per token). MLA expands its
+    # latent into one key head per query head, so num_key_value_heads must equal num_attention_heads.
+    "glm_moe_dsa": dict(
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=6,
+        v_head_dim=5,
+        index_head_dim=8,
+        index_n_heads=8,
+        index_topk=5,
+        indexer_types=["full", "shared", "full"],
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        router_aux_loss_coef=0.0,
+    ),
+}
+
+
 def tiny_config(family: str, vocab_size: int, **overrides):
     """A transformers config of a tiny random model of `family` (`llama`, `qwen3`, ...)."""
     from transformers import AutoConfig
@@ -68,6 +96,7 @@ def tiny_config(family: str, vocab_size: int, **overrides):
         eos_token_id=1,
         bos_token_id=None,
     )
+    base.update(TINY_FAMILY_OVERRIDES.get(family, {}))
     base.update(overrides)
     return AutoConfig.for_model(family, **base)
 
@@ -79,11 +108,26 @@ def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0, **ov
     config = tiny_config(family, vocab_size=len(tokenizer), **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if config.model_type == "glm_moe_dsa":
+        spread_indexer_weights(model)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def spread_indexer_weights(model, std: float = INDEXER_STD) -> None:
+    """Redraws the DSA indexer projections of a `glm_moe_dsa` model with standard deviation `std`.
+
+    A trained indexer's weights are far from the 0.02 init and its scores span a wide range; so do these. Whether a
+    top-k cut-off falls within float noise is a property of the data too, so tests that compare selections also check
+    the cut-off gaps of their batches.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".indexer." in name and name.endswith((".wq_b.weight", ".wk.weight", ".weights_proj.weight")):
+                param.normal_(0.0, std)
 
 
 def random_micro_batch(

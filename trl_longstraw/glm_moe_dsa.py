@@ -1,0 +1,442 @@
+"""Adapter for GLM-5 / GLM-5.2 (transformers `glm_moe_dsa`): multi-head latent attention (MLA) with DeepSeek sparse
+attention (DSA), and a mixture of experts.
+
+Record of an attention layer for a prefill chunk of `n` tokens, in the model's dtype:
+
+- `kv` `[n, kv_lora_rank + qk_rope_head_dim]`: per token the compressed KV latent after `kv_a_layernorm`, then the
+  shared rope key after RoPE (one row per token, the layout of FlashMLA's cache);
+- `index_key` `[n, index_head_dim]`: the DSA indexer key after its norm and RoPE, on layers that run their own
+  indexer (`config.indexer_types[layer] == "full"`); layers that reuse the previous layer's selection (`"shared"`)
+  keep `(kv,)` only.
+
+Keys and values are never decompressed. For the `S` queries of one forward (a prefill chunk or a branch), attending
+to the visible keys `[prefix records | own tokens, causally]`:
+
+1. **Selection** (`select_topk`). The indexer scores every visible key and keeps the `index_topk` best per query. The
+   scores are computed over blocks of keys and merged into a running top-k, so neither the `[S, heads, T]` scores
+   of transformers nor any `[S, T]` tensor exists. When a query sees at most `index_topk` keys it keeps all of them:
+   attention is then dense causal MLA, as in transformers.
+2. **Absorbed MLA** (`sparse_latent_attention`). `kv_b_proj` is folded into the query (`q_nope @ W_uk` per head) and
+   the output (`o @ W_uv^T`), so each query attends over its gathered top-k `kv` rows directly. The gathers are
+   recomputed in the backward instead of being saved.
+
+Stock semantics kept on purpose:
+
+- **The indexer runs without autograd**, as in transformers, where `GlmMoeDsaIndexer.forward` is decorated with
+  `torch.no_grad()`: the selection is a constant of the loss, the indexer's parameters (`wq_b`, `wk`, `k_norm`,
+  `weights_proj`) get no gradient from GRPO, and in exact mode no gradient reaches the indexer-key records. The
+  gradient reaches the `kv` records through the attention over the selected keys, as in stock.
+- **Ties.** A query keeps its `index_topk` highest-scoring visible keys; among scores exactly equal to the cut-off,
+  the earlier keys win. transformers' `torch.topk` leaves that order to the backend (CPU `nth_element`, CUDA radix
+  select), so no chunked computation can reproduce it; both select the same keys whenever the `k`-th and `k+1`-th
+  scores differ. Near-ties (within float noise) can flip between any two summation orders, which is why the tests
+  spread the indexer weights as a trained model's are.
+- **MoE routing** is token-wise (sigmoid router, group-limited top-k) and untouched: a token is routed the same way
+  in a prefill chunk, a branch, and the padded full sequence.
+
+Cost. Memory is bounded by the block constants below, whatever the prompt length. The work is plain torch ops in
+Python loops over blocks: the selection runs `S * T * index_n_heads / INDEX_TILE` score tiles, and the attention
+gathers from each record chunk that a block of `ATTN_SLOTS / index_topk` queries selects from. That is cheap for
+branches; a multi-million-token prefill spends much of its time in these loops, where a fused indexer/top-k and
+paged-gather kernel would not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttention, apply_rotary_pos_emb_interleave
+
+from .engine import active_pass
+
+# Query x selected-key slots gathered at once by the sparse attention. Bounds the `[Q * k, kv_lora_rank + rope]`
+# gathered rows (and the `[Q, heads, k]` scores) alive during its forward and backward: 2^18 slots of 576 fp32 values
+# are 0.6 GB.
+ATTN_SLOTS = 1 << 18
+# Keys per indexer block (a block may span record chunks), and query x head x key elements of one fp32 indexer score
+# tile `[Q, heads, keys]` (2^26: 256 MB).
+INDEX_KEY_BLOCK = 1 << 15
+INDEX_TILE = 1 << 26
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32 for half types, else the input's own (fp64 stays fp64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------------- selection
+def _index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Indexer scores `[Q, K]` of queries `q` `[Q, H, D]` with head weights `[Q, H]` against `keys` `[K, D]`.
+
+    The operations of `GlmMoeDsaIndexer.forward`: fp32 dot products, ReLU, then a weighted sum over heads.
+    """
+    scores = torch.relu(torch.matmul(q.float(), keys.float().T) * scale)  # [Q, H, K]
+    return torch.matmul(weights[:, None, :], scores)[:, 0]
+
+
+def _key_blocks(parts: list[torch.Tensor], block: int):
+    """Yields `(first key number, keys [n, D])` over the concatenation of `parts`, `block` keys at a time."""
+    pending, count, first = [], 0, 0
+    for part in parts:
+        start = 0
+        while start < part.shape[0]:
+            take = min(block - count, part.shape[0] - start)
+            pending.append(part[start : start + take])
+            count += take
+            start += take
+            if count == block:
+                yield first, torch.cat(pending)
+                first, pending, count = first + count, [], 0
+    if count:
+        yield first, torch.cat(pending)
+
+
+def _keep_topk(values: torch.Tensor, keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` best candidates of each row of `values`/`keys` `[Q, m]`, the earlier column winning ties, in column
+    order. One `topk` for the cut-off value, then a mask, so the merge is linear in `m`."""
+    cutoff = values.topk(k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    above = values > cutoff
+    tied = values == cutoff
+    keep = above | (tied & (tied.cumsum(dim=1) <= k - above.sum(dim=1, keepdim=True)))
+    cols = keep.nonzero()[:, 1]
+    if cols.numel() != k * values.shape[0]:
+        raise ValueError("the DSA indexer produced NaN scores")
+    cols = cols.view(-1, k)
+    return values.gather(1, cols), keys.gather(1, cols)
+
+
+def select_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_parts: list[torch.Tensor],
+    query_start: int,
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    """The DSA selection of each query: its `topk` highest-scoring visible keys, by a running top-k over key blocks.
+
+    Keys are numbered across `key_parts` in order (prefix chunks, then the queries' own tokens); query `i` sits at
+    key number `query_start + i` and sees keys `<= query_start + i`. Among scores equal to the cut-off the earlier
+    keys win: each query's candidates stay in key order (running set, then the new block) and `_keep_topk` keeps the
+    first of the tied ones.
+
+    Args:
+        q: `[S, H, D]` indexer queries after RoPE.
+        weights: `[S, H]` fp32 head weights (already scaled by `H ** -0.5`).
+        key_parts: indexer keys `[n_i, D]` of each part.
+        query_start: key number of the first query.
+        topk: `index_topk` of the config.
+        scale: indexer softmax scale.
+
+    Returns:
+        `[S, min(topk, T)]` int64 key numbers, `T` the total number of keys, with `-1` in the slots of a query that
+        sees fewer than `topk` keys. The order within a row is unspecified.
+    """
+    total = sum(part.shape[0] for part in key_parts)
+    s, heads = q.shape[:2]
+    device = q.device
+    query_pos = torch.arange(query_start, query_start + s, device=device)
+    width = min(topk, total)
+    if query_start + s <= topk:
+        # No query sees more than topk keys: all visible keys are selected (dense causal attention).
+        keys = torch.arange(width, device=device)[None, :].expand(s, -1)
+        return keys.masked_fill(keys > query_pos[:, None], -1)
+    key_block = min(INDEX_KEY_BLOCK, total)
+    query_block = max(1, INDEX_TILE // (heads * key_block))
+    starts = list(range(0, s, query_block))
+    # Running (values, key numbers) `[Q, <= topk]` of each query block, in key order.
+    running = []
+    for qs in starts:
+        rows = min(qs + query_block, s) - qs
+        running.append((q.new_empty(rows, 0, dtype=torch.float32), query_pos.new_empty(rows, 0)))
+    for first, block in _key_blocks(key_parts, key_block):
+        block_keys = torch.arange(first, first + block.shape[0], device=device)
+        for b, qs in enumerate(starts):
+            qe = min(qs + query_block, s)
+            if first > query_start + qe - 1:
+                continue  # every key of the block is in the future of these queries
+            block_values = _index_scores(q[qs:qe], weights[qs:qe], block, scale)
+            if first + block.shape[0] - 1 > query_start + qs:
+                future = block_keys[None, :] > query_pos[qs:qe, None]
+                block_values = block_values.masked_fill(future, float("-inf"))
+            values = torch.cat([running[b][0], block_values], dim=1)
+            keys = torch.cat([running[b][1], block_keys[None, :].expand(qe - qs, -1)], dim=1)
+            running[b] = _keep_topk(values, keys, topk) if values.shape[1] > topk else (values, keys)
+    out = torch.full((s, width), -1, dtype=torch.long, device=device)
+    for (values, keys), qs in zip(running, starts, strict=True):
+        out[qs : qs + values.shape[0], : keys.shape[1]] = keys.masked_fill(values == float("-inf"), -1)
+    return out
+
+
+def reference_select(index_scores: torch.Tensor, query_start: int, topk: int) -> torch.Tensor:
+    """Plain reference for `select_topk`: mask the full `[S, T]` score matrix causally and sort it once, stably."""
+    s, t = index_scores.shape
+    visible = torch.arange(t)[None, :] <= torch.arange(query_start, query_start + s)[:, None]
+    values = index_scores.masked_fill(~visible, float("-inf"))
+    values, order = values.sort(dim=1, descending=True, stable=True)
+    width = min(topk, t)
+    return order[:, :width].masked_fill(values[:, :width] == float("-inf"), -1)
+
+
+# ------------------------------------------------------------------------------------------------- sparse attention
+class _Routing:
+    """Where the selected keys `idx` `[M]` (key numbers, `-1` for none) live among parts of sizes `sizes`.
+
+    `pieces` lists, for each part that is read, `(part, slots, rows)`: the slots of `idx` that read it and the rows
+    they read, found with one sort instead of one mask per part.
+    """
+
+    def __init__(self, idx: torch.Tensor, sizes: list[int]):
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        self.numel = idx.shape[0]
+        sorted_idx, order = torch.where(idx >= 0, idx, starts[-1]).sort()
+        bounds = torch.searchsorted(sorted_idx, torch.tensor(starts, device=idx.device)).tolist()
+        self.pieces = [
+            (p, order[bounds[p] : bounds[p + 1]], sorted_idx[bounds[p] : bounds[p + 1]] - starts[p])
+            for p in range(len(sizes))
+            if bounds[p + 1] > bounds[p]
+        ]
+
+    def gather(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """`[M, D]` rows of `parts` (`[n_i, D]` each) in slot order, zeros for empty slots."""
+        out = torch.zeros(self.numel, parts[0].shape[1], dtype=dtype, device=parts[0].device)
+        for p, slots, rows in self.pieces:
+            out[slots] = parts[p][rows].to(dtype)
+        return out
+
+    def scatter_add(self, grads: list[torch.Tensor | None], src: torch.Tensor, parts: list[torch.Tensor], need):
+        """Adds the rows of `src` `[M, D]` into `grads[p]` (created on first use) for each part `p` in `need`."""
+        for p, slots, rows in self.pieces:
+            if need[p]:
+                if grads[p] is None:
+                    grads[p] = torch.zeros(parts[p].shape, dtype=src.dtype, device=src.device)
+                grads[p].index_add_(0, rows, src[slots])
+
+
+def _latent_scores(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scores `[Q, H, k]` of queries `[Q, H, R + Dr]` against their gathered `kv` rows `[Q, k, R + Dr]`."""
+    return (torch.einsum("qhd,qkd->qhk", q, kv) * scale).masked_fill((idx < 0)[:, None, :], float("-inf"))
+
+
+class _SparseLatentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scale: float, rank: int, sel, q, *parts):
+        sizes = [x.shape[0] for x in parts]
+        acc = _acc(q)
+        s, h, _ = q.shape
+        k = sel.shape[1]
+        out = torch.empty(s, h, rank, dtype=acc, device=q.device)
+        lse = torch.empty(s, h, dtype=acc, device=q.device)
+        block = max(1, ATTN_SLOTS // k)
+        for qs in range(0, s, block):
+            qe = min(qs + block, s)
+            idx = sel[qs:qe]
+            kv = _Routing(idx.reshape(-1), sizes).gather(parts, acc).view(qe - qs, k, -1)
+            scores = _latent_scores(q[qs:qe].to(acc), kv, idx, scale)
+            lse[qs:qe] = torch.logsumexp(scores, dim=-1)
+            out[qs:qe] = torch.einsum("qhk,qkr->qhr", torch.exp(scores - lse[qs:qe, :, None]), kv[..., :rank])
+        ctx.scale, ctx.rank = scale, rank
+        ctx.save_for_backward(sel, q, out, lse, *parts)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        sel, q, out, lse, *parts = ctx.saved_tensors
+        scale, rank = ctx.scale, ctx.rank
+        need = ctx.needs_input_grad[4:]
+        sizes = [x.shape[0] for x in parts]
+        acc = out.dtype
+        s, k = sel.shape
+        dout = grad_out.to(acc)
+        delta = (dout * out).sum(-1)  # [S, H]
+        dq = torch.empty(q.shape, dtype=acc, device=q.device)
+        dparts: list[torch.Tensor | None] = [None] * len(parts)
+        block = max(1, ATTN_SLOTS // k)
+        for qs in range(0, s, block):
+            qe = min(qs + block, s)
+            idx = sel[qs:qe]
+            route = _Routing(idx.reshape(-1), sizes)
+            kv = route.gather(parts, acc).view(qe - qs, k, -1)
+            qb, do = q[qs:qe].to(acc), dout[qs:qe]
+            p = torch.exp(_latent_scores(qb, kv, idx, scale) - lse[qs:qe, :, None])
+            ds = p * (torch.einsum("qhr,qkr->qhk", do, kv[..., :rank]) - delta[qs:qe, :, None]) * scale
+            dq[qs:qe] = torch.einsum("qhk,qkd->qhd", ds, kv)
+            if any(need):
+                dkv = torch.einsum("qhk,qhd->qkd", ds, qb)
+                dkv[..., :rank] += torch.einsum("qhk,qhr->qkr", p, do)
+                route.scatter_add(dparts, dkv.reshape(-1, dkv.shape[-1]), parts, need)
+        grads = [None if g is None else g.to(x.dtype) for g, x in zip(dparts, parts, strict=True)]
+        return None, None, None, dq.to(q.dtype), *grads
+
+
+def sparse_latent_attention(
+    q: torch.Tensor, kv_parts: list[torch.Tensor], sel: torch.Tensor, scale: float, rank: int
+) -> torch.Tensor:
+    """Absorbed MLA of each query over its selected keys.
+
+    Args:
+        q: `[S, H, R + Dr]` per head the nope query folded through `W_uk` into latent space, then the rope query.
+        kv_parts: `[n_i, R + Dr]` latent and rope key rows of each part (prefix chunks, then own tokens).
+        sel: `[S, k]` selected key numbers across the parts, `-1` for none; every row selects at least one key.
+        scale: softmax scale.
+        rank: `R`, the latent width (the values are the first `R` columns of the rows).
+
+    Returns:
+        `[S, H, R]` softmax-weighted latents (to be unfolded through `W_uv`), in the dtype of `q`.
+    """
+    return _SparseLatentAttention.apply(scale, rank, sel, q, *kv_parts)
+
+
+def reference_latent_attention(
+    q: torch.Tensor, kv_parts: list[torch.Tensor], sel: torch.Tensor, scale: float, rank: int
+) -> torch.Tensor:
+    """Plain reference for `sparse_latent_attention`: full `[S, H, T]` scores, masked to the selected keys."""
+    kv = torch.cat(kv_parts)
+    acc = _acc(q)
+    scores = (q.to(acc) @ kv.to(acc).T) * scale  # [S, H, T]
+    chosen = torch.zeros(sel.shape[0], kv.shape[0] + 1, dtype=torch.bool, device=sel.device)
+    chosen.scatter_(1, torch.where(sel >= 0, sel, kv.shape[0]), True)
+    scores = scores.masked_fill(~chosen[:, None, :-1], float("-inf"))
+    return (scores.softmax(-1) @ kv[:, :rank].to(acc)).to(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ patched attention
+def _dense_weight(linear: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """`[out, in]` matrix of a bias-free linear map: the weight of an `nn.Linear`, else (e.g. a PEFT LoRA layer, whose
+    delta is folded in, or a quantized layer) the map applied to the identity, in the dtype and device of `like`.
+
+    Raises:
+        ValueError: for a wrapped layer with active dropout, whose per-token masks the folded matrix cannot apply.
+    """
+    if type(linear) is nn.Linear:
+        return linear.weight
+    if linear.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in linear.modules()):
+        raise ValueError(
+            "kv_b_proj carries dropout (e.g. LoRA lora_dropout > 0), which absorbed MLA cannot apply per token: set "
+            "lora_dropout=0.0 or leave kv_b_proj out of target_modules."
+        )
+    return linear(torch.eye(linear.in_features, dtype=like.dtype, device=like.device)).T
+
+
+def _indexer(module: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Queries `[S, H, D]`, fp32 head weights `[S, H]` and keys `[S, D]` of `GlmMoeDsaIndexer`, as its forward
+    computes them (batch of one). Call without autograd, as transformers does."""
+    s = hidden.shape[1]
+    q = module.wq_b(q_resid).view(1, s, module.n_heads, module.head_dim)
+    rope, rest = module.qk_rope_head_dim, module.head_dim - module.qk_rope_head_dim
+    q_rot, q_pass = torch.split(q, [rope, rest], dim=-1)
+    k = module.k_norm(module.wk(hidden)).unsqueeze(2)  # [1, S, 1, D]
+    k_rot, k_pass = torch.split(k, [rope, rest], dim=-1)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)[0]
+    k = torch.cat([k_rot, k_pass], dim=-1)[0, :, 0]
+    weights = module.weights_proj(hidden.to(module.weights_proj.weight.dtype)).float() * (module.n_heads**-0.5)
+    return q, weights[0], k
+
+
+def longstraw_attention_forward(
+    self: GlmMoeDsaAttention,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    past_key_values=None,
+    position_ids: torch.Tensor | None = None,
+    prev_topk_indices: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None, torch.Tensor]:
+    """`GlmMoeDsaAttention.forward` over the engine's active pass, for `hidden_states` `[1, S, hidden]`.
+
+    The mask built by the model is not read: the engine never pads, so visibility is the causal order over
+    `[records | own tokens]`. Returns the output `[1, S, hidden]`, no attention weights, and the selection `[S, k]`
+    that a following `"shared"` layer reuses, as stock passes its top-k indices on.
+    """
+    if hidden_states.shape[0] != 1:
+        raise ValueError(f"trl_longstraw runs one sequence per forward, got a batch of {hidden_states.shape[0]}")
+    p = active_pass()
+    s = hidden_states.shape[1]
+    heads, nope = self.num_heads, self.qk_nope_head_dim
+
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q = self.q_b_proj(q_resid).view(1, s, heads, self.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [nope, self.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = torch.split(
+        self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+    )
+    cos, sin = position_embeddings
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(1, 1, s, -1), cos, sin)
+    kv = torch.cat([self.kv_a_layernorm(kv_pass)[0], k_rot[0, 0]], dim=-1)  # [S, R + Dr]
+
+    records = p.read(self.layer_idx)
+    prefix_len = sum(record[0].shape[0] for record in records)
+    if self.indexer is not None:
+        with torch.no_grad():
+            index_q, index_weights, index_key = _indexer(self.indexer, hidden_states, q_resid, cos, sin)
+            sel = select_topk(
+                index_q,
+                index_weights,
+                [record[1] for record in records] + [index_key],
+                prefix_len,
+                self.indexer.index_topk,
+                self.indexer.softmax_scale,
+            )
+        p.emit(self.layer_idx, (kv, index_key))
+    else:
+        if prev_topk_indices is None:
+            raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
+        sel = prev_topk_indices
+        p.emit(self.layer_idx, (kv,))
+
+    w_kv = _dense_weight(self.kv_b_proj, like=q_pass).view(heads, nope + self.v_head_dim, self.kv_lora_rank)
+    q_lat = torch.einsum("hsd,hdr->shr", q_pass[0], w_kv[:, :nope])
+    q_abs = torch.cat([q_lat, q_rot[0].transpose(0, 1)], dim=-1)  # [S, H, R + Dr]
+    kv_parts = [record[0] for record in records] + [kv]
+    o_lat = sparse_latent_attention(q_abs, kv_parts, sel, self.scaling, self.kv_lora_rank)
+    out = torch.einsum("shr,hvr->shv", o_lat, w_kv[:, nope:]).reshape(1, s, heads * self.v_head_dim)
+    return self.o_proj(out), None, sel
+
+
+class GlmMoeDsaAdapter:
+    """Routes the `GlmMoeDsaAttention` layers of a `glm_moe_dsa` causal LM through the engine's active pass.
+
+    Records per layer and chunk: `(kv [n, kv_lora_rank + qk_rope_head_dim], index_key [n, index_head_dim])`, without
+    `index_key` on `"shared"` indexer layers.
+    """
+
+    def __init__(self, causal_lm: PreTrainedModel):
+        config = causal_lm.config.get_text_config()
+        if config.attention_dropout:
+            raise ValueError(
+                f"attention_dropout={config.attention_dropout} is not supported by trl_longstraw (its random masks "
+                "cannot be reproduced by sparse attention over records): set attention_dropout=0.0."
+            )
+        self.causal_lm = causal_lm
+        self.attentions = [m for m in causal_lm.modules() if isinstance(m, GlmMoeDsaAttention)]
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Patches each attention module's `forward` for the duration of the block, then restores it."""
+        previous = [m.__dict__.get("forward") for m in self.attentions]
+        for m in self.attentions:
+            m.forward = types.MethodType(longstraw_attention_forward, m)
+        try:
+            yield
+        finally:
+            for m, forward in zip(self.attentions, previous, strict=True):
+                if forward is None:
+                    del m.forward
+                else:
+                    m.forward = forward
+
+    @staticmethod
+    def state_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:
+        """`(bytes per prompt token, fixed bytes)`: per layer the latent and the rope key, plus the indexer key on
+        layers that run their own indexer. GLM-5.2: 78 x (512 + 64 + 128) x 2 B = 107.25 KiB per token in bf16."""
+        full = sum(kind == "full" for kind in config.indexer_types)
+        per_layer = config.kv_lora_rank + config.qk_rope_head_dim
+        return (config.num_hidden_layers * per_layer + full * config.index_head_dim) * dtype_bytes, 0
