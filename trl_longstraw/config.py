@@ -27,6 +27,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             so that the completions of one prompt share one prefill.
         prefill_progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over the prefill chunks of prompts longer than one chunk (main process only).
+        memory_guard (`bool`, *optional*, defaults to `True`):
+            Before the first step on GPU, compare the capacity planner's estimate of a step with the free device
+            memory, and stop with the numbers and concrete suggestions if it cannot fit.
     """
 
     prompt_gradient: str = field(
@@ -51,6 +54,13 @@ class LongStrawGRPOConfig(GRPOConfig):
     prefill_progress: bool = field(
         default=True,
         metadata={"help": "Show a progress bar over the prefill chunks of prompts longer than one chunk."},
+    )
+    memory_guard: bool = field(
+        default=True,
+        metadata={
+            "help": "Before the first step on GPU, stop if the capacity planner's estimate of a step exceeds the free "
+            "device memory."
+        },
     )
 
     def __post_init__(self):
