@@ -810,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
         f"run: {args.positions:,} prompt positions, {args.mode} mode, {args.group_size} x {args.completion_length:,}-"
         f"token completions, prefill chunk {args.prefill_chunk_size:,}, gradient checkpointing "
         + ("off" if args.no_gradient_checkpointing else "on"),
-        f"  {args.gpus} GPU(s) x {_size(args.gpu_memory)}, FSDP full sharding, {args.precision} precision, prompt "
+        f"  {args.gpus} GPU(s) x {args.gpu_memory / 1e9:g} GB ({_size(args.gpu_memory)}), FSDP full sharding, "
+        f"{args.precision} precision, prompt "
         "state " + ("sharded over the GPUs" if args.shard_prompt_state else "not sharded"),
         "",
     ]
@@ -826,7 +827,10 @@ def main(argv: list[str] | None = None) -> int:
     elif longest >= MAX_POSITIONS:
         print(f"largest prompt that fits: more than {MAX_POSITIONS:,} positions")
     else:
-        print(f"largest prompt that fits: {longest:,} positions ({_count(longest)})")
+        rope_note = ""
+        if native is not None and longest + args.completion_length > native:
+            rope_note = f"; RoPE needs YaRN factor {yarn_factor(longest + args.completion_length, native)} for it"
+        print(f"largest prompt that fits: {longest:,} positions ({_count(longest)}){rope_note}")
     if not budget.fits:
         print("to fit:")
         for s in suggestions(budget):
