@@ -42,6 +42,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             checked before anything is back-propagated into the parameters. `"raise"`: stop with a `FloatingPointError`
             naming the rows and the step. `"skip"`: log a warning and skip the micro-batch (no gradient, loss logged as
             NaN); single-process runs only.
+        memory_guard (`bool`, *optional*, defaults to `True`):
+            Before the first step on GPU, compare the capacity planner's estimate of a step with the free device
+            memory, and stop with the numbers and concrete suggestions if it cannot fit.
     """
 
     prompt_gradient: str = field(
@@ -66,6 +69,13 @@ class LongStrawGRPOConfig(GRPOConfig):
     prefill_progress: bool = field(
         default=True,
         metadata={"help": "Show a progress bar over the prefill chunks of prompts longer than one chunk."},
+    )
+    memory_guard: bool = field(
+        default=True,
+        metadata={
+            "help": "Before the first step on GPU, stop if the capacity planner's estimate of a step exceeds the free "
+            "device memory."
+        },
     )
 
     shard_prompt_state: bool = field(

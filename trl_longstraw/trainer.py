@@ -23,6 +23,7 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler, split_tensor_dict
 
+from . import guards
 from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
 from .engine import Engine, group_prompts
@@ -70,6 +71,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._engines: dict[int, Engine] = {}
         self._prompt_shards = self._make_prompt_shards()
         self._precomputed: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._window_warned = False
+        self._memory_checked = False
 
     # ---------------------------------------------------------------------------------------------------- checks
     def _check_setup(self) -> None:
@@ -113,6 +116,33 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 group = created
         return PromptShards(group)
 
+    def _check_window(self, model, positions: int) -> None:
+        """Refuses sequences beyond an unscaled RoPE window; warns once beyond a scaled one."""
+        warning = guards.check_positions(_causal_lm(model).config.get_text_config(), positions)
+        if warning is not None and not self._window_warned:
+            self._window_warned = True
+            logger.warning(warning)
+
+    def _check_memory(self, model, inputs: dict[str, Any]) -> None:
+        """Before the first step on GPU: stops a run that the planner says cannot fit in the free memory."""
+        self._memory_checked = True
+        memory = guards.device_free_memory(self.accelerator.device) if self.args.memory_guard else None
+        if memory is None:
+            return
+        free, prompt, completion = guards.worst_over_processes(
+            self.accelerator, memory[0], inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]
+        )
+        budget = guards.runtime_budget(
+            _causal_lm(model),
+            self.args,
+            prompt_length=prompt,
+            completion_length=completion,
+            gpus=self.accelerator.num_processes,
+            fsdp=self.is_fsdp_enabled,
+            gpu_memory=memory[1],
+        )
+        guards.check_memory(budget, free)
+
     # ---------------------------------------------------------------------------------------------------- engine
     def _engine(self, model) -> Engine:
         causal_lm = _causal_lm(model)
@@ -147,6 +177,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return logps, entropies if compute_entropy else None, None
         if torch.is_grad_enabled():
             raise RuntimeError("LongStrawGRPOTrainer scores with autograd only through training_step")
+        self._check_window(model, input_ids.shape[1])
         k = logits_to_keep
         logps, entropies = self._engine(model).score(
             input_ids[:, :-k], attention_mask[:, :-k], input_ids[:, -k:], attention_mask[:, -k:]
@@ -160,6 +191,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
+        if not self._memory_checked:
+            self._check_memory(model, inputs)
         with self.compute_loss_context_manager():
             loss = self._loss_and_backward(model, inputs)
         # Bookkeeping of GRPOTrainer.training_step, whose super() call this method replaces.
@@ -173,6 +206,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _loss_and_backward(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """Scores the micro-batch once, evaluates TRL's loss on the scores, then back-propagates branch by branch."""
         self._check_completions(inputs["completion_mask"])
+        self._check_window(model, inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1])
         engine = self._engine(model)
         engine.stats.reset()
         prompt = (inputs["prompt_ids"], inputs["prompt_mask"])

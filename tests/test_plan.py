@@ -1,0 +1,319 @@
+"""Capacity planner: real-shape presets, state accounting, the budget, the largest-positions solve, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GlmMoeDsaConfig, LlamaConfig, Qwen3_5TextConfig
+
+from tests.tolerances import PARAM_COUNT_RTOL, STATE_FIXED_RTOL
+from trl_longstraw import plan
+from trl_longstraw.plan import (
+    Setup,
+    estimate,
+    largest_positions,
+    meta_model,
+    model_stats,
+    parse_bytes,
+    parse_count,
+    preset_config,
+    prompt_state_bytes,
+    with_yarn,
+)
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def preset_stats():
+    """`name -> (config, ModelStats)` of the real-shape presets, built once on the meta device."""
+    out = {}
+    for name in plan.PRESETS:
+        config = preset_config(name)
+        out[name] = (config, model_stats(meta_model(config), config))
+    return out
+
+
+def _item(budget, name):
+    (item,) = [i for i in budget.items if i.name == name]
+    return item.nbytes
+
+
+# ------------------------------------------------------------------------------------------------------ presets
+def test_preset_parameter_counts_match_published(preset_stats):
+    qwen = preset_stats["qwen3.6-27b"][1]
+    glm_config, glm = preset_stats["glm-5.2"]
+    # Qwen3.6-27B: "27B" on the model card (the text model; the vision encoder and MTP head are not built).
+    assert qwen.total_params == pytest.approx(27e9, rel=PARAM_COUNT_RTOL)
+    # GLM-5.2: ~743B total in vLLM's recipe; the model card's 753B also counts the MTP block, one more MoE layer,
+    # which transformers does not build.
+    assert glm.total_params == pytest.approx(743e9, rel=PARAM_COUNT_RTOL)
+    assert glm.total_params + glm.largest_layer_params == pytest.approx(753e9, rel=PARAM_COUNT_RTOL)
+    assert qwen.trainable_params == qwen.total_params and glm.trainable_params == glm.total_params
+    assert (qwen.num_layers, glm.num_layers) == (64, 78)
+
+
+def test_preset_layouts():
+    qwen = preset_config("qwen3.6-27b")
+    assert [i for i, t in enumerate(qwen.layer_types) if t == "full_attention"] == list(range(3, 64, 4))
+    assert (qwen.hidden_size, qwen.num_attention_heads, qwen.num_key_value_heads, qwen.head_dim) == (5120, 24, 4, 256)
+    assert (qwen.linear_num_key_heads, qwen.linear_num_value_heads, qwen.linear_conv_kernel_dim) == (16, 48, 4)
+    glm = preset_config("glm-5.2")
+    # IndexShare: layers 0, 1, 2, then every 4th own an indexer; the 57 others reuse the previous top-k.
+    assert [i for i, t in enumerate(glm.indexer_types) if t == "full"] == [0, 1, 2] + list(range(6, 78, 4))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(glm)
+    assert [i for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is not None] == [
+        i for i, t in enumerate(glm.indexer_types) if t == "full"
+    ]
+    assert (glm.kv_lora_rank, glm.qk_rope_head_dim, glm.index_head_dim, glm.index_topk) == (512, 64, 128, 2048)
+    assert glm.n_routed_experts == 256
+
+
+def test_lora_counts_adapters_on_every_linear():
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    stats = model_stats(model, config, lora_rank=4)
+    # Per layer: q (32->32), k and v (32->16), o (32->32), gate and up (32->48), down (48->32).
+    per_layer = 4 * (64 + 48 + 48 + 64 + 80 + 80 + 80)
+    assert stats.trainable_params == 2 * per_layer
+    assert stats.total_params == sum(p.numel() for p in model.parameters()) + 2 * per_layer
+
+
+# ------------------------------------------------------------------------------------------------- state bytes
+def test_state_bytes_real_shapes():
+    per_token, fixed = prompt_state_bytes(preset_config("qwen3.6-27b"))
+    assert per_token == 64 * KiB  # 16 full layers x K and V x 4 heads x 256 x bf16
+    assert fixed == pytest.approx(148 * MiB, rel=STATE_FIXED_RTOL)
+    assert fixed == 48 * (48 * 128 * 128 * 4 + 10240 * 3 * 2)  # recurrent state fp32 + conv tail bf16, 48 layers
+    per_token, fixed = prompt_state_bytes(preset_config("glm-5.2"))
+    assert (per_token, fixed) == (78 * (512 + 64) * 2 + 21 * 128 * 2, 0)  # 93 KiB: 21 indexers under IndexShare
+    # GLM-5's layout, every layer with its own indexer: the issue's "about 107 KiB per token".
+    assert prompt_state_bytes(GlmMoeDsaConfig())[0] == pytest.approx(107 * KiB, rel=0.01)
+
+
+def test_state_bytes_follow_the_dtype():
+    config = preset_config("qwen3.6-27b")
+    bf16, fp32 = prompt_state_bytes(config, 2), prompt_state_bytes(config, 4)
+    assert fp32[0] == 2 * bf16[0]
+    assert fp32[1] > bf16[1]  # the conv tail doubles, the recurrent state is fp32 either way
+
+
+def test_planned_state_equals_the_engine_state(tiny_model_path):
+    from trl_longstraw.adapters import get_adapter
+    from trl_longstraw.engine import Engine, PromptGroup
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path("llama"))
+    engine = Engine(model, model, get_adapter(model), chunk_size=5)
+    tokens = torch.randint(3, model.config.vocab_size, (13,))
+    state = engine.prefill(PromptGroup(tokens=tokens, pad=2, rows=[0]))
+    stats = model_stats(model, state_dtype_bytes=4)
+    for mode in ("exact", "detached"):
+        budget = estimate(stats, Setup(positions=13, prefill_chunk_size=5, mode=mode, gpus=1))
+        assert _item(budget, "prompt state") == state.nbytes()
+        assert _item(budget, "prompt state gradient") == (state.nbytes() if mode == "exact" else 0)
+
+
+def test_unsupported_model_type_lists_supported():
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported.*glm_moe_dsa.*llama"):
+        prompt_state_bytes(GPT2Config())
+
+
+# ------------------------------------------------------------------------------------------------------ budget
+def test_budget_lines(preset_stats):
+    _, stats = preset_stats["qwen3.6-27b"]
+    base = Setup(positions=100_001, prefill_chunk_size=4096, gpus=8, gpu_memory=96 * 10**9)
+    exact, detached = estimate(stats, base), estimate(stats, replace(base, mode="detached"))
+    chunks = -(-100_000 // 4096)
+    assert _item(exact, "prompt state") == 100_000 * stats.state_per_token + chunks * stats.state_fixed
+    assert _item(detached, "prompt state") == 100_000 * stats.state_per_token + stats.state_fixed
+    assert _item(exact, "prompt state gradient") == _item(exact, "prompt state")
+    assert _item(detached, "prompt state gradient") == 0
+    # FSDP shards weights, gradients and optimizer state; 16 bytes per trainable parameter under mixed precision.
+    shards = [_item(exact, n) for n in ("weights", "gradients", "optimizer state")]
+    assert sum(shards) == pytest.approx(16 * stats.total_params / 8, abs=8)
+    sharded = estimate(stats, replace(base, shard_prompt_state=True))
+    assert _item(sharded, "prompt state") == -(-_item(exact, "prompt state") // 8)
+    # Only the larger of the branch graph and the chunk activations counts.
+    phased = [i.nbytes for i in exact.items if i.phase]
+    assert exact.peak == sum(i.nbytes for i in exact.items if not i.phase) + max(phased)
+    assert exact.to_allocate == exact.peak - _item(exact, "weights")
+    one_gpu = estimate(stats, replace(base, gpus=1))
+    assert not [i for i in one_gpu.items if i.name == "FSDP all-gathered"]
+
+
+def test_activation_estimate_covers_saved_tensors():
+    """Per layer and token, the estimate is at least what autograd saves in a stock layer, and not far above."""
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=64,
+    )
+    model = AutoModelForCausalLM.from_config(config).train()
+    params = {p.data_ptr() for p in model.parameters()}
+
+    def saved_bytes(tokens: int) -> int:
+        seen = {}
+
+        def pack(t):
+            if t.data_ptr() not in params:
+                seen[(t.data_ptr(), t.dtype, tuple(t.shape), t.stride())] = t.numel() * t.element_size()
+            return t
+
+        hidden = torch.randn(1, tokens, 64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model(inputs_embeds=hidden, position_ids=torch.arange(tokens)[None], use_cache=False)
+        return sum(seen.values())
+
+    measured = (saved_bytes(64) - saved_bytes(32)) / 32 / config.num_hidden_layers
+    estimated = plan.ACTIVATION_MULTIPLE * model_stats(model, state_dtype_bytes=4).layer_activation_elems * 4
+    assert measured <= estimated <= 2 * measured
+
+
+# ----------------------------------------------------------------------------------------------- largest positions
+@pytest.mark.parametrize("name", ["qwen3.6-27b", "glm-5.2"])
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("shard", [False, True])
+def test_largest_positions_is_exact(preset_stats, name, mode, shard):
+    _, stats = preset_stats[name]
+    setup = Setup(
+        positions=1,
+        mode=mode,
+        gpus=32,
+        gpu_memory=141 * 10**9,
+        shard_prompt_state=shard,
+        frozen_weight_bytes=2,
+        trainable_weight_bytes=2,
+        grad_bytes=2,
+        optimizer_bytes=4,
+    )
+    if name == "glm-5.2":  # LoRA: full fine-tuning of GLM-5.2 does not fit 32 GPUs at any length
+        config = preset_stats[name][0]
+        with torch.device("meta"):
+            stats = model_stats(AutoModelForCausalLM.from_config(config), config, lora_rank=8)
+    longest = largest_positions(stats, setup)
+    assert 1 < longest < plan.MAX_POSITIONS
+    assert estimate(stats, replace(setup, positions=longest)).fits
+    assert not estimate(stats, replace(setup, positions=longest + 1)).fits
+    assert not estimate(stats, replace(setup, positions=longest + setup.prefill_chunk_size)).fits
+
+
+def test_largest_positions_is_zero_when_nothing_fits(preset_stats):
+    _, stats = preset_stats["glm-5.2"]
+    setup = Setup(positions=1, gpus=32, gpu_memory=96 * 10**9)
+    assert not estimate(stats, setup).fits
+    assert largest_positions(stats, setup) == 0
+
+
+def test_suggestions_report_their_own_verdicts(preset_stats):
+    _, stats = preset_stats["qwen3.6-27b"]
+    setup = Setup(positions=2_100_000, mode="exact", gpus=8, gpu_memory=96 * 10**9)
+    lines = plan.suggestions(estimate(stats, setup))
+    detached = [s for s in lines if s.startswith("prompt_gradient='detached'")]
+    sharded = [s for s in lines if s.startswith("shard_prompt_state=True")]
+    assert detached and sharded and any("GPUs" in s for s in lines) and lines[-1].startswith("a shorter prompt")
+    fits_sharded = estimate(stats, replace(setup, shard_prompt_state=True)).fits
+    assert sharded[0].endswith("(fits)") == fits_sharded
+    assert f"at most {largest_positions(stats, setup):,} positions" in lines[-1]
+
+
+# -------------------------------------------------------------------------------------------------------- RoPE
+def test_presets_set_yarn_beyond_the_native_window():
+    qwen = preset_config("qwen3.6-27b", 2_100_512)
+    assert qwen.rope_parameters["rope_type"] == "yarn"
+    assert qwen.rope_parameters["factor"] == 9.0  # ceil(2,100,512 / 262,144)
+    assert qwen.rope_parameters["original_max_position_embeddings"] == 262144
+    assert qwen.max_position_embeddings == 9 * 262144
+    # Qwen's own RoPE settings survive: theta, 64 rotary dims of 256, multimodal sections.
+    assert qwen.rope_parameters["rope_theta"] == 1e7 and qwen.rope_parameters["partial_rotary_factor"] == 0.25
+    assert qwen.rope_parameters["mrope_section"] == [11, 11, 10]
+    glm = preset_config("glm-5.2", 2_100_512)
+    assert (glm.rope_parameters["factor"], glm.max_position_embeddings) == (3.0, 3 * 1048576)
+    native = preset_config("qwen3.6-27b", 262144)
+    assert native.rope_parameters["rope_type"] == "default" and native.max_position_embeddings == 262144
+    assert plan.rope_window(qwen) == (9 * 262144, 262144) and plan.rope_scaled(qwen)
+
+
+def test_yarn_config_is_used_by_transformers():
+    config = Qwen3_5TextConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        vocab_size=64,
+        max_position_embeddings=64,
+        rope_parameters={**plan.QWEN3_6_27B["rope_parameters"]},
+    )
+    scaled = with_yarn(config, 200)
+    model = AutoModelForCausalLM.from_config(scaled)
+    rotary = model.model.rotary_emb
+    assert rotary.rope_type == "yarn"
+    assert rotary.attention_scaling == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)  # factor 4
+    out = model(input_ids=torch.randint(0, 64, (1, 9)), position_ids=torch.arange(150, 159)[None])
+    assert torch.isfinite(out.logits).all()
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+def test_parse_count_and_bytes():
+    assert parse_count("2.1M") == 2_100_000
+    assert parse_count("512K") == 512_000
+    assert parse_count("1Mi") == 2**20
+    assert parse_count("131072") == 131072
+    assert parse_bytes("96GB") == 96 * 10**9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("141G") == 141 * 10**9
+    for bad in ("", "2.1X", "GB", "-5"):
+        with pytest.raises(ValueError, match="cannot read"):
+            parse_bytes(bad)
+
+
+# -------------------------------------------------------------------------------------------------------- CLI
+def test_main_in_process(capsys, tmp_path):
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config.save_pretrained(tmp_path)
+    argv = ["--model", str(tmp_path), "--gpus", "1", "--gpu-memory", "1GiB", "--mode", "detached"]
+    assert plan.main(argv + ["--positions", "1K"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: FITS" in out and "prompt state" in out and "largest prompt that fits" in out
+    assert plan.main(argv + ["--positions", "100M"]) == 3
+    out = capsys.readouterr().out
+    assert "verdict: DOES NOT FIT" in out and "exceed it without RoPE scaling" in out
+    longest = int(out.split("largest prompt that fits: ")[1].split(" ")[0].replace(",", ""))
+    assert plan.main(argv + ["--positions", str(longest)]) == 0
+    assert plan.main(argv + ["--positions", str(longest + 1)]) == 3
+
+
+@pytest.mark.slow
+def test_cli_exit_codes():
+    """`python -m trl_longstraw.plan` exits 0 when the plan fits and 3 when it does not (README examples)."""
+    common = [sys.executable, "-m", "trl_longstraw.plan", "--model", "qwen3.6-27b", "--positions", "2.1M"]
+    common += ["--gpus", "8", "--gpu-memory", "96GB"]
+    fits = subprocess.run(
+        common + ["--mode", "detached", "--shard-prompt-state"], cwd=REPO, capture_output=True, text=True
+    )
+    assert fits.returncode == 0, fits.stderr
+    assert "verdict: FITS" in fits.stdout and "yarn factor 9" in fits.stdout
+    too_big = subprocess.run(common + ["--mode", "exact"], cwd=REPO, capture_output=True, text=True)
+    assert too_big.returncode == 3, too_big.stderr
+    assert "verdict: DOES NOT FIT" in too_big.stdout and "prompt_gradient='detached'" in too_big.stdout

@@ -1,0 +1,137 @@
+"""Early checks: stop a run at once, with the numbers and the fix, instead of failing late or going silently wrong.
+
+- `check_positions`: prompts beyond the model's RoPE window. Without RoPE scaling the positions past the window were
+  never trained, so the run is refused; with scaling (YaRN, ...) past the scaled window it is only warned about.
+- `check_memory`: the planner's estimate of a step against the free device memory, before the first step.
+
+Both are pure functions; `LongStrawGRPOTrainer` calls them with its model, batch and device.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .plan import Budget
+
+# `plan` is imported inside the functions: importing the package (which imports the trainer, then this module) must
+# not import it, or `python -m trl_longstraw.plan` would find its own module already loaded.
+
+
+def check_positions(config, positions: int) -> str | None:
+    """Checks that `positions` (prompt + completion, padding included) fit the RoPE window of a text `config`.
+
+    Returns:
+        `None` when they fit, or a warning message when they exceed a window that RoPE scaling already extends.
+
+    Raises:
+        ValueError: when they exceed the window of a model without RoPE scaling, naming the YaRN setting to load it
+            with.
+    """
+    from .plan import rope_scaled, rope_window, yarn_factor
+
+    window, native = rope_window(config)
+    if window is None or positions <= window:
+        return None
+    if not rope_scaled(config):
+        factor = yarn_factor(positions, window)
+        raise ValueError(
+            f"sequences of {positions:,} positions (prompt + completion) exceed the model's window of {window:,} "
+            "positions (max_position_embeddings), and its RoPE is not scaled: the positions beyond it were never "
+            "trained. Load the model with YaRN RoPE scaling, e.g. "
+            f"AutoModelForCausalLM.from_pretrained(name, config=trl_longstraw.plan.with_yarn(AutoConfig."
+            f"from_pretrained(name), {positions})), which sets rope_parameters rope_type='yarn', factor={factor}, "
+            f"original_max_position_embeddings={window} and max_position_embeddings={window * factor}; or shorten "
+            "the prompts."
+        )
+    return (
+        f"sequences of {positions:,} positions (prompt + completion) exceed the model's RoPE window of {window:,} "
+        f"positions, already scaled from {native:,}: quality past it is untested. Raise the scaling factor "
+        "(trl_longstraw.plan.with_yarn(config, positions) picks one) or shorten the prompts."
+    )
+
+
+def device_free_memory(device: torch.device) -> tuple[int, int] | None:
+    """`(free bytes, total bytes)` of a CUDA device, counting memory cached by PyTorch's allocator as free;
+    `None` for other devices."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+
+
+def worst_over_processes(accelerator, free_bytes: int, prompt_length: int, completion_length: int):
+    """`(least free bytes, longest prompt, longest completion)` over the processes, so that every process takes the
+    same decision: one that stopped alone would leave the others waiting in the next collective."""
+    local = torch.tensor([free_bytes, -prompt_length, -completion_length], device=accelerator.device)
+    worst = accelerator.gather(local).view(-1, 3).min(dim=0).values.tolist()
+    return worst[0], -worst[1], -worst[2]
+
+
+def runtime_budget(
+    causal_lm,
+    args,
+    prompt_length: int,
+    completion_length: int,
+    gpus: int,
+    fsdp: bool,
+    gpu_memory: int,
+) -> Budget:
+    """The planner's estimate of a training step of `causal_lm` as the trainer runs it.
+
+    Parameter counts and byte sizes come from the live model (`requires_grad` decides what trains; gradients and
+    AdamW's two moments take the trainable parameters' dtype); the rest from `args` (a `LongStrawGRPOConfig`).
+    """
+    from .plan import Setup, estimate, model_stats
+
+    params = list(causal_lm.parameters())
+    trainable = next((p for p in params if p.requires_grad), None)
+    frozen = next((p for p in params if not p.requires_grad), None)
+    weight_bytes = trainable.element_size() if trainable is not None else 2
+    compute_bytes = 2 if (args.bf16 or args.fp16 or params[0].element_size() == 2) else 4
+    stats = model_stats(causal_lm, state_dtype_bytes=compute_bytes)
+    setup = Setup(
+        positions=prompt_length,
+        completion_length=max(completion_length, args.max_completion_length or 0),
+        group_size=args.num_generations or 1,
+        prefill_chunk_size=args.prefill_chunk_size,
+        mode=args.prompt_gradient,
+        gpus=gpus,
+        gpu_memory=gpu_memory,
+        shard_prompt_state=bool(getattr(args, "shard_prompt_state", False)),
+        fsdp=fsdp,
+        gradient_checkpointing=bool(args.gradient_checkpointing),
+        trainable_weight_bytes=weight_bytes,
+        frozen_weight_bytes=frozen.element_size() if frozen is not None else weight_bytes,
+        grad_bytes=weight_bytes,
+        optimizer_bytes=2 * weight_bytes,
+        compute_bytes=compute_bytes,
+    )
+    return estimate(stats, setup)
+
+
+def check_memory(budget: Budget, free_bytes: int) -> None:
+    """Stops a run whose first step cannot fit, before it starts.
+
+    `budget.to_allocate` (the estimated peak minus the weights already in memory) is compared with `free_bytes`.
+
+    Raises:
+        ValueError: with the budget, the free memory and concrete changes (detached mode, sharded prompt state,
+            another chunk size, more GPUs, shorter prompts), each with its own estimate.
+    """
+    from .plan import _size, format_budget, suggestions
+
+    if budget.to_allocate <= free_bytes:
+        return
+    u = budget.setup
+    changes = "\n".join(f"  - {s}" for s in suggestions(budget, free_bytes))
+    raise ValueError(
+        f"this run needs about {_size(budget.to_allocate)} more per GPU at the peak of a step ({_size(budget.peak)} "
+        f"in all, weights included), but only {_size(free_bytes)} is free on the device. It would run out of memory "
+        f"mid-step. The estimate, for {u.positions:,} prompt positions and {u.completion_length:,}-token "
+        f"completions:\n{format_budget(budget, 'per-GPU budget:')}\nTo fit, change one of:\n{changes}\n"
+        "Plan other settings with `python -m trl_longstraw.plan`. If you know the run fits (the estimate is "
+        "approximate), set memory_guard=False."
+    )

@@ -1,0 +1,842 @@
+"""Capacity planner: will a LongStraw GRPO step fit in GPU memory, and what is the longest prompt that does?
+
+    python -m trl_longstraw.plan --model {qwen3.6-27b|glm-5.2|PATH} --positions 2.1M --gpus 8 --gpu-memory 96GB \
+        --mode {exact|detached} [--group-size G --completion-length C --prefill-chunk-size N --shard-prompt-state]
+
+The presets build the real shapes from transformers config classes and instantiate the model on the meta device, so
+parameter counts are exact and nothing is downloaded; PATH loads a local `config.json` (or a folder holding one).
+
+The budget is per GPU, at the peak of a training step (see `estimate`). Exit code 0 when it fits, 3 when it does not.
+The same estimate backs the trainer's memory guard (`trl_longstraw.guards.check_memory`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# ------------------------------------------------------------------------------------------------------------ presets
+# Public shapes. Qwen3.6-27B: model card and config.json of Qwen/Qwen3.6-27B (model_type qwen3_5; 64 layers laid out
+# as 16 x (3 Gated DeltaNet + 1 gated attention), 262,144 native positions, rope_theta 1e7, 64 rotary dims of 256).
+# GLM-5.2: zai-org/GLM-5.2 has GLM-5's glm_moe_dsa geometry (78 layers, 3 dense, MLA 512 + 64, 256 experts top-8,
+# indexer 32 x 128, top-k 2048) plus IndexShare (index_topk_freq 4, index_skip_topk_offset 3: 21 layers own an
+# indexer, 57 reuse the previous one's top-k and carry no indexer weights), a 1,048,576-position native window and
+# rope_theta 8e6 (GLM-5 and GLM-5.1: 202,752 and 1e6).
+QWEN3_6_27B = dict(
+    vocab_size=248320,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    full_attention_interval=4,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=262144,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+)
+GLM_5_2 = dict(
+    vocab_size=154880,
+    hidden_size=6144,
+    intermediate_size=12288,
+    moe_intermediate_size=2048,
+    num_hidden_layers=78,
+    first_k_dense_replace=3,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    q_lora_rank=2048,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=192,
+    v_head_dim=256,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=2048,
+    index_topk_freq=4,
+    index_skip_topk_offset=3,
+    max_position_embeddings=1048576,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 8_000_000.0},
+)
+
+
+def _qwen3_6_27b():
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**copy.deepcopy(QWEN3_6_27B))
+
+
+def _glm_5_2():
+    from transformers import GlmMoeDsaConfig
+
+    return GlmMoeDsaConfig(**copy.deepcopy(GLM_5_2))
+
+
+# name -> (display name, config builder)
+PRESETS = {"qwen3.6-27b": ("Qwen3.6-27B", _qwen3_6_27b), "glm-5.2": ("GLM-5.2", _glm_5_2)}
+
+# RoPE types that extend the trained window. Anything else ("default", ...) is unscaled.
+ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def preset_config(name: str, positions: int | None = None):
+    """The text config of preset `name`, with YaRN set when `positions` exceed its native window."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)} or pass a config.json path")
+    config = PRESETS[name][1]()
+    return with_yarn(config, positions) if positions is not None else config
+
+
+def _rope_dicts(config) -> list[dict]:
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return list(params.values())  # one dict per layer type
+    return [params] if params else []
+
+
+def rope_window(config) -> tuple[int | None, int | None]:
+    """`(configured window, native window)` of a text config, in positions.
+
+    The configured window is `max_position_embeddings`. The native (trained) window is the same for unscaled RoPE,
+    and `original_max_position_embeddings` when a scaling such as YaRN is set. `(None, None)` if the config has
+    no `max_position_embeddings`.
+    """
+    window = getattr(config, "max_position_embeddings", None)
+    native = window
+    for params in _rope_dicts(config):
+        if params.get("rope_type") in ROPE_SCALING_TYPES and params.get("original_max_position_embeddings"):
+            native = min(native, params["original_max_position_embeddings"])
+    return window, native
+
+
+def rope_scaled(config) -> bool:
+    """Whether the config's RoPE extends its trained window (linear, dynamic, YaRN, LongRoPE, llama3)."""
+    return any(params.get("rope_type") in ROPE_SCALING_TYPES for params in _rope_dicts(config))
+
+
+def yarn_factor(positions: int, native_window: int) -> int:
+    """The smallest integer YaRN factor whose window `factor * native_window` holds `positions`."""
+    return max(1, math.ceil(positions / native_window))
+
+
+def with_yarn(config, positions: int):
+    """A copy of the text `config` with YaRN RoPE scaling when `positions` exceed its native window.
+
+    The factor is the smallest integer that covers `positions`; `max_position_embeddings` becomes the scaled window,
+    and every other RoPE setting (theta, partial rotary factor, multimodal sections) is kept. Within the native
+    window the config is returned unchanged (a copy). Load the model with this config (e.g.
+    `AutoModelForCausalLM.from_pretrained(name, config=with_yarn(AutoConfig.from_pretrained(name), P))`): setting it
+    on a built model does not recompute the rotary frequencies.
+    """
+    config = copy.deepcopy(config)
+    _, native = rope_window(config)
+    if native is None:
+        raise ValueError(f"{type(config).__name__} has no max_position_embeddings: it does not use a RoPE window")
+    if positions <= native:
+        return config
+    factor = yarn_factor(positions, native)
+    params = _rope_dicts(config)
+    if len(params) != 1:
+        raise ValueError(
+            f"{type(config).__name__} has per-layer-type RoPE parameters; set YaRN on each layer type by hand"
+        )
+    rope = dict(params[0])
+    rope.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=native)
+    config.rope_parameters = rope
+    config.max_position_embeddings = native * factor
+    return config
+
+
+def load_config(path: str | Path):
+    """The text config in a local `config.json` (or a folder holding one). Nothing is downloaded."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{path} is neither a preset ({', '.join(PRESETS)}) nor a config.json or a folder with one")
+    data = json.loads(file.read_text())
+    if "model_type" not in data:
+        raise ValueError(f"{file} has no model_type")
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    return config.get_text_config()
+
+
+# -------------------------------------------------------------------------------------------------- prompt state
+def qwen3_5_state_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:
+    """`(bytes per prompt token, fixed bytes)` of a qwen3_5 prompt state.
+
+    Full-attention layers keep K and V `[Hkv, D]` per token. Gated DeltaNet layers keep the conv tail (the last
+    `kernel - 1` inputs of the causal conv, `[conv_dim, kernel - 1]`, model dtype) and the recurrent state
+    `[Hv, Dk, Dv]` in fp32. Must equal the qwen3_5 adapter's `state_bytes` once it lands in `ADAPTERS`
+    (`prompt_state_bytes` prefers the adapter's and the tests pin both to the same numbers).
+    """
+    types = config.layer_types
+    full = sum(t == "full_attention" for t in types)
+    linear = sum(t == "linear_attention" for t in types)
+    per_token = full * 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    conv_dim = (
+        2 * config.linear_num_key_heads * config.linear_key_head_dim
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    )
+    conv_tail = conv_dim * (config.linear_conv_kernel_dim - 1) * dtype_bytes
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    return per_token, linear * (conv_tail + recurrent)
+
+
+def glm_moe_dsa_state_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:
+    """`(bytes per prompt token, fixed bytes)` of a glm_moe_dsa prompt state.
+
+    Every layer keeps the compressed latent after its norm (`kv_lora_rank`) and the rope key (`qk_rope_head_dim`);
+    layers that run their own indexer (`indexer_types == "full"`) also keep its keys (`index_head_dim`); layers that
+    share the previous indexer's top-k keep none. Never decompressed K/V. Must equal the glm_moe_dsa adapter's
+    `state_bytes` once it lands in `ADAPTERS`.
+    """
+    layers = config.num_hidden_layers
+    indexers = sum(t == "full" for t in (config.indexer_types or ["full"] * layers))
+    latent = layers * (config.kv_lora_rank + config.qk_rope_head_dim)
+    return (latent + indexers * config.index_head_dim) * dtype_bytes, 0
+
+
+# Formulas for architectures whose adapter is being written in parallel; an entry in ADAPTERS takes precedence.
+LOCAL_STATE_BYTES = {
+    "qwen3_5": qwen3_5_state_bytes,
+    "qwen3_5_text": qwen3_5_state_bytes,
+    "glm_moe_dsa": glm_moe_dsa_state_bytes,
+}
+
+
+def prompt_state_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:
+    """`(bytes per prompt token, fixed bytes)` of the prompt state of a text config, from its adapter.
+
+    Raises:
+        ValueError: for a model type without an adapter, listing the supported ones.
+    """
+    from .adapters import ADAPTERS
+
+    adapter = ADAPTERS.get(config.model_type)
+    if adapter is not None:
+        return adapter.state_bytes(config, dtype_bytes)
+    if config.model_type in LOCAL_STATE_BYTES:
+        return LOCAL_STATE_BYTES[config.model_type](config, dtype_bytes)
+    supported = sorted(set(ADAPTERS) | set(LOCAL_STATE_BYTES))
+    raise ValueError(
+        f"model_type {config.model_type!r} is not supported by trl_longstraw. Supported: {', '.join(supported)}."
+    )
+
+
+# ------------------------------------------------------------------------------------------------------- model
+# Activation bytes of one layer, per token, as a multiple of the inputs and outputs of its matmuls (nn.Linear,
+# nn.Conv1d, and the `top_k` active experts of fused MoE weights). The multiple covers norms, activation functions and
+# attention internals. Calibrated on the saved tensors of stock layers (CPU, tiny shapes): llama 1.2x, glm_moe_dsa
+# 1.9x; the CPU fallback of Gated DeltaNet saves 2.8x, the fla kernels used on GPU far less.
+ACTIVATION_MULTIPLE = 2
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """What the budget needs to know about a model. Built by `model_stats` from a real or meta model.
+
+    Attributes:
+        total_params: all parameters.
+        trainable_params: parameters that get gradients and optimizer state.
+        root_params: parameters outside the decoder layers (embeddings, final norm, LM head).
+        largest_layer_params: parameters of the largest decoder layer.
+        largest_layer_trainable: trainable parameters of the largest decoder layer.
+        num_layers: decoder layers.
+        hidden_size: width of the residual stream.
+        layer_activation_elems: per token, the largest over layers of the matmul inputs and outputs.
+        total_activation_elems: per token, the same summed over layers.
+        state_per_token: prompt-state bytes per prompt token (bf16 records).
+        state_fixed: prompt-state bytes independent of the length (recurrent states).
+    """
+
+    total_params: int
+    trainable_params: int
+    root_params: int
+    largest_layer_params: int
+    largest_layer_trainable: int
+    num_layers: int
+    hidden_size: int
+    layer_activation_elems: int
+    total_activation_elems: int
+    state_per_token: int
+    state_fixed: int
+
+
+def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a transformers causal LM (`causal_lm.base_model.layers`)."""
+    layers = getattr(causal_lm.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(causal_lm).__name__} has no base_model.layers: trl_longstraw cannot plan it")
+    return layers
+
+
+def _activation_elems(layer: nn.Module, top_k: int) -> int:
+    elems = 0
+    for module in layer.modules():
+        if isinstance(module, nn.Linear):
+            elems += module.in_features + module.out_features
+        elif isinstance(module, nn.Conv1d):
+            elems += module.in_channels + module.out_channels
+        else:
+            # Fused experts `[E, out, in]`: a token passes through `top_k` of them.
+            for p in module.parameters(recurse=False):
+                if p.ndim == 3:
+                    elems += top_k * (p.shape[1] + p.shape[2])
+    return elems
+
+
+def model_stats(
+    causal_lm: nn.Module, config=None, lora_rank: int | None = None, state_dtype_bytes: int = 2
+) -> ModelStats:
+    """Counts a causal LM's parameters and per-token activations (works on the meta device).
+
+    With `lora_rank`, only LoRA adapters of that rank on every `nn.Linear` of the decoder layers (PEFT's
+    `target_modules="all-linear"`) are trainable; otherwise the model's `requires_grad` flags decide. The prompt
+    state's records are counted at `state_dtype_bytes` per element (the compute dtype).
+    """
+    config = config if config is not None else causal_lm.config.get_text_config()
+    layers = decoder_layers(causal_lm)
+    top_k = getattr(config, "num_experts_per_tok", None) or 1
+
+    def lora(module: nn.Module) -> int:
+        return sum(lora_rank * (m.in_features + m.out_features) for m in module.modules() if isinstance(m, nn.Linear))
+
+    def trainable(module: nn.Module) -> int:
+        return lora(module) if lora_rank else sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    # A DTensor (FSDP2) reports its global size, so a sharded model counts as a whole one.
+    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    largest = max(range(len(layers)), key=layer_params.__getitem__)
+    base = sum(p.numel() for p in causal_lm.parameters())
+    adapters = sum(lora(layer) for layer in layers) if lora_rank else 0
+    acts = [_activation_elems(layer, top_k) for layer in layers]
+    per_token, fixed = prompt_state_bytes(config, state_dtype_bytes)
+    return ModelStats(
+        total_params=base + adapters,
+        trainable_params=adapters if lora_rank else trainable(causal_lm),
+        root_params=base - sum(layer_params),
+        largest_layer_params=layer_params[largest],
+        largest_layer_trainable=trainable(layers[largest]),
+        num_layers=len(layers),
+        hidden_size=config.hidden_size,
+        layer_activation_elems=max(acts),
+        total_activation_elems=sum(acts),
+        state_per_token=per_token,
+        state_fixed=fixed,
+    )
+
+
+def meta_model(config) -> nn.Module:
+    """The causal LM of a text config, built on the meta device (shapes only, no memory, no download)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+# ------------------------------------------------------------------------------------------------------ budget
+@dataclass(frozen=True)
+class Setup:
+    """The run being planned. Byte sizes are per element.
+
+    Attributes:
+        positions: prompt length in tokens; the prompt state holds `positions - 1` of them.
+        completion_length: tokens per completion (one branch).
+        group_size: completions per prompt; branches are replayed one at a time, so only the score tensors grow
+            with it.
+        prefill_chunk_size: prompt tokens per prefill and reverse chunk.
+        mode: "exact" or "detached".
+        gpus: processes (one GPU each).
+        gpu_memory: bytes per GPU (default 80 GB).
+        shard_prompt_state: the prompt state and its gradient are split over the GPUs.
+        fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
+            replicated (DDP).
+        gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
+        trainable_weight_bytes, frozen_weight_bytes, grad_bytes, optimizer_bytes: per parameter, as stored
+            (optimizer: AdamW's two moments). Default: mixed precision as Accelerate's FSDP2 sets it up
+            (trainable weights upcast to fp32, frozen ones kept in bf16, fp32 gradients and AdamW states).
+        compute_bytes: activations and all-gathered weights (bf16).
+        headroom: fraction of `gpu_memory` left for the CUDA context, NCCL buffers and allocator fragmentation.
+    """
+
+    positions: int
+    completion_length: int = 512
+    group_size: int = 8
+    prefill_chunk_size: int = 4096
+    mode: str = "exact"
+    gpus: int = 1
+    gpu_memory: int = 80 * 10**9
+    shard_prompt_state: bool = False
+    fsdp: bool = True
+    gradient_checkpointing: bool = True
+    trainable_weight_bytes: int = 4
+    frozen_weight_bytes: int = 2
+    grad_bytes: int = 4
+    optimizer_bytes: int = 8
+    compute_bytes: int = 2
+    headroom: float = 0.05
+
+    def __post_init__(self):
+        if self.mode not in ("exact", "detached"):
+            raise ValueError(f"mode={self.mode!r}: use 'exact' or 'detached'")
+        for name in ("positions", "completion_length", "group_size", "prefill_chunk_size", "gpus", "gpu_memory"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be positive")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of a budget: `nbytes` per GPU.
+
+    `resident`: already allocated before the first training step (weights). `phase`: items with a phase never
+    coexist; only the largest of them counts.
+    """
+
+    name: str
+    nbytes: int
+    detail: str = ""
+    resident: bool = False
+    phase: str | None = None
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per-GPU peak memory of one training step, line by line."""
+
+    stats: ModelStats
+    setup: Setup
+    items: list[Item] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        """Bytes at the peak: every item without a phase, plus the largest phased item."""
+        phased = [i.nbytes for i in self.items if i.phase is not None]
+        return sum(i.nbytes for i in self.items if i.phase is None) + max(phased, default=0)
+
+    @property
+    def to_allocate(self) -> int:
+        """Bytes still to be allocated at the first training step: the peak minus the resident weights."""
+        return self.peak - sum(i.nbytes for i in self.items if i.resident)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.setup.gpu_memory
+
+
+def state_tokens(positions: int) -> int:
+    """Prompt tokens held in the prompt state: all but the last, which starts every branch."""
+    return positions - 1
+
+
+def estimate(stats: ModelStats, setup: Setup) -> Budget:
+    """The per-GPU memory of one LongStraw GRPO training step at its peak.
+
+    A step holds the weights, gradients and optimizer state (sharded under FSDP, plus the all-gathered root module
+    and two layers, current and prefetched), the prompt state of one prompt (exact mode: also its gradient, and the
+    fixed part of the state once per chunk boundary, as the reverse pass restarts from each), and then either one
+    branch graph (a completion replayed with autograd) or one chunk's activations (the exact-mode reverse pass, or
+    the no-grad prefill): those never coexist.
+    """
+    s, u = stats, setup
+    exact = u.mode == "exact"
+    shards = u.gpus if u.fsdp else 1
+    frozen = s.total_params - s.trainable_params
+
+    def share(n: int, parts: int) -> int:
+        return -(-n // parts)
+
+    items = [
+        Item(
+            "weights",
+            share(s.trainable_params * u.trainable_weight_bytes + frozen * u.frozen_weight_bytes, shards),
+            f"{_count(s.trainable_params)} trainable x {u.trainable_weight_bytes} B"
+            + (f" + {_count(frozen)} frozen x {u.frozen_weight_bytes} B" if frozen else "")
+            + (f", sharded /{shards}" if shards > 1 else ""),
+            resident=True,
+        ),
+        Item(
+            "gradients",
+            share(s.trainable_params * u.grad_bytes, shards),
+            f"{u.grad_bytes} B per trainable parameter" + (f", sharded /{shards}" if shards > 1 else ""),
+        ),
+        Item(
+            "optimizer state",
+            share(s.trainable_params * u.optimizer_bytes, shards),
+            f"AdamW exp_avg + exp_avg_sq, {u.optimizer_bytes} B per trainable parameter"
+            + (f", sharded /{shards}" if shards > 1 else ""),
+        ),
+    ]
+    if shards > 1:
+        gathered = (s.root_params + 2 * s.largest_layer_params + s.largest_layer_trainable) * u.compute_bytes
+        items.append(
+            Item(
+                "FSDP all-gathered",
+                gathered,
+                "root module (embeddings, head) + 2 largest layers (current, prefetched) + 1 layer's unsharded "
+                f"gradient, {u.compute_bytes} B each",
+            )
+        )
+    tokens = state_tokens(u.positions)
+    chunks = -(-tokens // u.prefill_chunk_size)
+    copies = chunks if exact else 1
+    state = tokens * s.state_per_token + copies * s.state_fixed
+    state_parts = u.gpus if u.shard_prompt_state else 1
+    detail = f"{tokens:,} tokens x {_size(s.state_per_token)}"
+    if s.state_fixed:
+        detail += f" + {copies:,} x {_size(s.state_fixed)} fixed" + (" (one per chunk boundary)" if exact else "")
+    if state_parts > 1:
+        detail += f", sharded /{state_parts}"
+    items.append(Item("prompt state", share(state, state_parts), detail))
+    items.append(
+        Item(
+            "prompt state gradient",
+            share(state, state_parts) if exact else 0,
+            "exact mode: one gradient per state record" if exact else "detached mode: none",
+        )
+    )
+    layer = ACTIVATION_MULTIPLE * s.layer_activation_elems * u.compute_bytes
+    if u.gradient_checkpointing:
+        graph_per_token = s.num_layers * s.hidden_size * u.compute_bytes + layer
+        how = "checkpointed: layer inputs + one recomputed layer"
+    else:
+        graph_per_token = ACTIVATION_MULTIPLE * s.total_activation_elems * u.compute_bytes
+        how = "every layer's activations"
+    items.append(
+        Item(
+            "branch graph",
+            u.completion_length * graph_per_token,
+            f"{u.completion_length:,} tokens x {_size(graph_per_token)} ({how})",
+            phase="activations",
+        )
+    )
+    chunk = min(u.prefill_chunk_size, max(tokens, 1))
+    if exact:
+        items.append(
+            Item(
+                "chunk activations",
+                chunk * graph_per_token,
+                f"{chunk:,} tokens x {_size(graph_per_token)} (reverse pass, with autograd)",
+                phase="activations",
+            )
+        )
+    else:
+        items.append(
+            Item(
+                "chunk activations",
+                chunk * layer,
+                f"{chunk:,} tokens x {_size(layer)} (no-grad prefill, one layer at a time)",
+                phase="activations",
+            )
+        )
+    items.append(
+        Item(
+            "scores",
+            4 * u.group_size * u.completion_length * 4,
+            f"log-probs, entropies and their gradients [{u.group_size}, {u.completion_length}], fp32",
+        )
+    )
+    items.append(
+        Item(
+            "headroom",
+            int(u.headroom * u.gpu_memory),
+            f"{u.headroom:.0%} of the GPU: CUDA context, NCCL buffers, allocator fragmentation",
+        )
+    )
+    return Budget(stats, setup, items)
+
+
+MAX_POSITIONS = 1 << 40
+
+
+def largest_positions(stats: ModelStats, setup: Setup, fits=None) -> int:
+    """The largest prompt length whose budget fits (0 if none does, `MAX_POSITIONS` if every length checked does).
+
+    `fits(budget) -> bool` defaults to "the peak fits in `setup.gpu_memory`". The budget grows with the length, so
+    the answer is exact: planning at it fits, one more position does not.
+    """
+    fits = fits or (lambda b: b.fits)
+
+    def ok(p: int) -> bool:
+        return fits(estimate(stats, replace(setup, positions=p)))
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > MAX_POSITIONS:
+            return MAX_POSITIONS
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def suggestions(budget: Budget, free_bytes: int | None = None) -> list[str]:
+    """Concrete changes to a budget that does not fit, each with its new estimate and whether it then fits.
+
+    Planner (`free_bytes` None): the peak against `setup.gpu_memory`. Memory guard: the bytes still to allocate
+    (`Budget.to_allocate`) against `free_bytes`.
+    """
+    if free_bytes is None:
+
+        def fits(b: Budget) -> bool:
+            return b.fits
+
+        def line(change: str, b: Budget) -> str:
+            return f"{change}: peak {_size(b.peak)} ({'fits' if fits(b) else 'does not fit'})"
+    else:
+
+        def fits(b: Budget) -> bool:
+            return b.to_allocate <= free_bytes
+
+        def line(change: str, b: Budget) -> str:
+            return f"{change}: needs {_size(b.to_allocate)} ({'fits' if fits(b) else 'does not fit'})"
+
+    s, u = budget.stats, budget.setup
+    out = []
+    changes = {}
+    if u.mode == "exact":
+        changes["prompt_gradient='detached' (biased gradient)"] = {"mode": "detached"}
+    if not u.shard_prompt_state and u.gpus > 1:
+        changes["shard_prompt_state=True"] = {"shard_prompt_state": True}
+    chunk = _best_chunk(s, u, fits)
+    if chunk != u.prefill_chunk_size:
+        changes[f"prefill_chunk_size={chunk}"] = {"prefill_chunk_size": chunk}
+    for change, fields in changes.items():
+        out.append(line(change, estimate(s, replace(u, **fields))))
+    if len(changes) > 1:
+        together = replace(u, **{k: v for fields in changes.values() for k, v in fields.items()})
+        together = replace(together, prefill_chunk_size=_best_chunk(s, together, fits))
+        out.append(line(f"all of these (prefill_chunk_size={together.prefill_chunk_size})", estimate(s, together)))
+    gpus = _fewest_gpus(s, u, fits)
+    if gpus is not None:
+        out.append(line(f"{gpus} GPUs", estimate(s, replace(u, gpus=gpus))))
+    elif not u.shard_prompt_state and u.gpus > 1 and fits(estimate(s, replace(u, shard_prompt_state=True))):
+        pass  # sharding alone fits, as listed above
+    elif not u.shard_prompt_state and (gpus := _fewest_gpus(s, replace(u, shard_prompt_state=True), fits)):
+        sharded = replace(u, gpus=gpus, shard_prompt_state=True)
+        out.append(line(f"{gpus} GPUs with shard_prompt_state=True", estimate(s, sharded)))
+    else:
+        out.append(f"more GPUs: no count up to {MAX_GPUS:,} fits")
+    longest = largest_positions(s, u, fits)
+    out.append(f"a shorter prompt: at most {longest:,} positions fit" if longest else "no prompt length fits")
+    return out
+
+
+def _best_chunk(stats: ModelStats, setup: Setup, fits) -> int:
+    """A power-of-two chunk size (256 to 64Ki): the largest that fits, else the one with the lowest peak.
+
+    Smaller chunks shrink the chunk activations but make more prefill steps; in exact mode they also add chunk
+    boundaries, each keeping the fixed part of the state (recurrent layers), so the best size depends on the model
+    and the length.
+    """
+    candidates = sorted({setup.prefill_chunk_size} | {2**k for k in range(8, 17)})
+    budgets = {c: estimate(stats, replace(setup, prefill_chunk_size=c)) for c in candidates}
+    fitting = [c for c in candidates if fits(budgets[c])]
+    if fitting:
+        return max(fitting)
+    return min(candidates, key=lambda c: (budgets[c].peak, c != setup.prefill_chunk_size))
+
+
+MAX_GPUS = 4096
+
+
+def _fewest_gpus(stats: ModelStats, setup: Setup, fits) -> int | None:
+    """The fewest GPUs, from `setup.gpus` to `MAX_GPUS`, at which the budget fits; None if none."""
+    if setup.gpus >= MAX_GPUS or not fits(estimate(stats, replace(setup, gpus=MAX_GPUS))):
+        return None
+    if fits(estimate(stats, setup)):
+        return setup.gpus
+    lo, hi = setup.gpus, MAX_GPUS  # the budget shrinks with more GPUs; lo does not fit, hi does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(estimate(stats, replace(setup, gpus=mid))) else (mid, hi)
+    return hi
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_count(text: str) -> int:
+    """`"2.1M"` -> 2100000. Suffixes K, M, G (powers of 1000) and Ki, Mi, Gi (powers of 1024)."""
+    return _parse(text, "")
+
+
+def parse_bytes(text: str) -> int:
+    """`"96GB"` -> 96e9 and `"96GiB"` -> 96 * 2**30 (also K/M/T, with or without the trailing B)."""
+    return _parse(text, "B")
+
+
+def _parse(text: str, unit: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?)?" + (r"B?" if unit else "") + r"\s*", text, re.IGNORECASE)
+    if m is None:
+        kind = "a byte size like 96GB or 80GiB" if unit else "a count like 2.1M, 512K or 131072"
+        raise ValueError(f"cannot read {text!r}: expected {kind}")
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
+    return int(round(value))
+
+
+def _size(n: int | float) -> str:
+    """Human-readable bytes, binary units."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+# --------------------------------------------------------------------------------------------------------- CLI
+def format_budget(budget: Budget, title: str) -> str:
+    """The budget as aligned text lines: header, one line per item, peak and verdict."""
+    u = budget.setup
+    width = max(len(i.name) for i in budget.items)
+    lines = [title]
+    for item in budget.items:
+        lines.append(f"  {item.name:<{width}}  {_size(item.nbytes):>11}  {item.detail}")
+    phased = [i.name for i in budget.items if i.phase]
+    lines.append(f"  {'peak':<{width}}  {_size(budget.peak):>11}  (only the larger of {' and '.join(phased)} counts)")
+    lines.append(f"  {'GPU memory':<{width}}  {_size(u.gpu_memory):>11}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trl_longstraw.plan",
+        description="Per-GPU memory budget of a LongStraw GRPO step, its verdict, and the longest prompt that fits. "
+        "Exit code 0 when it fits, 3 when it does not.",
+    )
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a local config.json / folder")
+    p.add_argument("--positions", required=True, type=parse_count, help="prompt length in tokens, e.g. 2.1M")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs (one process each); default 8")
+    p.add_argument("--gpu-memory", type=parse_bytes, default="96GB", help="memory per GPU, e.g. 96GB or 80GiB")
+    p.add_argument("--mode", choices=["exact", "detached"], default="exact", help="prompt_gradient; default exact")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (num_generations); default 8")
+    p.add_argument("--completion-length", type=parse_count, default=512, help="tokens per completion; default 512")
+    p.add_argument("--prefill-chunk-size", type=parse_count, default=4096, help="default 4096")
+    p.add_argument("--shard-prompt-state", action="store_true", help="split the prompt state over the GPUs")
+    p.add_argument(
+        "--precision",
+        choices=["mixed", "bf16"],
+        default="mixed",
+        help="mixed (default): fp32 trainable weights, gradients and AdamW states, as Accelerate's FSDP2 sets up "
+        "bf16 mixed precision; bf16: everything stored in bf16",
+    )
+    p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
+    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.model in PRESETS:
+        name = PRESETS[args.model][0]
+        config = preset_config(args.model, args.positions + args.completion_length)
+    else:
+        config = load_config(args.model)
+        name = Path(args.model).name
+    stats = model_stats(meta_model(config), config, lora_rank=args.lora_rank)
+    weight = 2 if args.precision == "bf16" else 4
+    setup = Setup(
+        positions=args.positions,
+        completion_length=args.completion_length,
+        group_size=args.group_size,
+        prefill_chunk_size=args.prefill_chunk_size,
+        mode=args.mode,
+        gpus=args.gpus,
+        gpu_memory=args.gpu_memory,
+        shard_prompt_state=args.shard_prompt_state,
+        gradient_checkpointing=not args.no_gradient_checkpointing,
+        trainable_weight_bytes=weight,
+        grad_bytes=weight,
+        optimizer_bytes=2 * weight,
+        headroom=args.headroom,
+    )
+    budget = estimate(stats, setup)
+
+    window, native = rope_window(config)
+    needed = args.positions + args.completion_length
+    if window is None:
+        rope = "RoPE: no position window"
+    elif rope_scaled(config):
+        factor = _rope_dicts(config)[0].get("factor")
+        rope = f"RoPE: native window {native:,}, scaled ({_rope_dicts(config)[0]['rope_type']} factor {factor:g}) to "
+        rope += f"{window:,}" + (" -- STILL TOO SHORT for" if needed > window else " for") + f" {needed:,} positions"
+    else:
+        rope = f"RoPE: window {window:,}" + (
+            f" -- {needed:,} positions exceed it without RoPE scaling; the trainer refuses (see plan.with_yarn)"
+            if needed > window
+            else f", enough for {needed:,} positions"
+        )
+    lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
+    header = [
+        f"{name} ({config.model_type}): {_count(stats.total_params)} parameters, {_count(stats.trainable_params)} "
+        f"trainable{lora}, {stats.num_layers} layers",
+        f"  prompt state: {_size(stats.state_per_token)} per token + {_size(stats.state_fixed)} fixed",
+        f"  {rope}",
+        f"run: {args.positions:,} prompt positions, {args.mode} mode, {args.group_size} x {args.completion_length:,}-"
+        f"token completions, prefill chunk {args.prefill_chunk_size:,}, gradient checkpointing "
+        + ("off" if args.no_gradient_checkpointing else "on"),
+        f"  {args.gpus} GPU(s) x {args.gpu_memory / 1e9:g} GB ({_size(args.gpu_memory)}), FSDP full sharding, "
+        f"{args.precision} precision, prompt "
+        "state " + ("sharded over the GPUs" if args.shard_prompt_state else "not sharded"),
+        "",
+    ]
+    print("\n".join(header) + format_budget(budget, "per-GPU budget at the peak of a step:"))
+    longest = largest_positions(stats, setup)
+    print()
+    if budget.fits:
+        print(f"verdict: FITS ({_size(budget.peak)} of {_size(setup.gpu_memory)})")
+    else:
+        print(f"verdict: DOES NOT FIT (needs {_size(budget.peak)}, has {_size(setup.gpu_memory)})")
+    if longest == 0:
+        print("largest prompt that fits: none -- even a 1-token prompt does not fit with these settings")
+    elif longest >= MAX_POSITIONS:
+        print(f"largest prompt that fits: more than {MAX_POSITIONS:,} positions")
+    else:
+        rope_note = ""
+        if native is not None and longest + args.completion_length > native:
+            rope_note = f"; RoPE needs YaRN factor {yarn_factor(longest + args.completion_length, native)} for it"
+        print(f"largest prompt that fits: {longest:,} positions ({_count(longest)}){rope_note}")
+    if not budget.fits:
+        print("to fit:")
+        for s in suggestions(budget):
+            print(f"  - {s}")
+    return 0 if budget.fits else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
