@@ -27,6 +27,10 @@ class LongStrawGRPOConfig(GRPOConfig):
             so that the completions of one prompt share one prefill.
         prefill_progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over the prefill chunks of prompts longer than one chunk (main process only).
+        shared_generation (`bool`, *optional*, defaults to `True`):
+            On the transformers generation path (no vLLM), prefill each distinct prompt once and decode its G samples
+            against that one state, instead of `model.generate` on G copies of the prompt. `False` generates with
+            transformers' own loop, as `GRPOTrainer` does. The vLLM paths are unchanged either way.
     """
 
     prompt_gradient: str = field(
@@ -51,6 +55,13 @@ class LongStrawGRPOConfig(GRPOConfig):
     prefill_progress: bool = field(
         default=True,
         metadata={"help": "Show a progress bar over the prefill chunks of prompts longer than one chunk."},
+    )
+    shared_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Transformers generation path: prefill each distinct prompt once and decode its G samples "
+            "against it. False: transformers' own generate, as GRPOTrainer."
+        },
     )
 
     def __post_init__(self):

@@ -195,13 +195,15 @@ class Engine:
     def _positions(self, start: int, n: int, device) -> torch.Tensor:
         return torch.arange(start, start + n, device=device)[None]
 
-    def prefill(self, group: PromptGroup, keep: bool = False) -> PromptState:
+    def prefill(self, group: PromptGroup, keep: bool = False, reuse: bool = False) -> PromptState:
         """Runs `tokens[:-1]` of the group without autograd, chunk by chunk, and returns its state.
 
-        With `keep`, the state stays referenced until the next prefill, which reuses it for the same prompt.
+        With `keep`, the state stays referenced until the next prefill. With `reuse`, a kept state of the same prompt
+        is returned instead of prefilling again: only `backward` asks for it, right after the scoring pass of the same
+        micro-batch, so a state is never reused across a weight update or an adapter switch.
         """
         key = (group.pad, group.tokens.cpu().numpy().tobytes())
-        if self._kept is not None and self._kept[0] == key:
+        if reuse and self._kept is not None and self._kept[0] == key:
             return self._kept[1]
         self._kept = None
         t0 = time.perf_counter()
@@ -270,8 +272,24 @@ class Engine:
         return ids[None], positions, completion[None, :n]
 
     def _forward_branch(self, state: PromptState, ids, positions, labels):
+        """Log-probs and entropies `[R, N]` of branches `ids` `[R, N]`; entropies `None` if the fused head has none."""
         out = self.model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
-        return out.log_probs[0], None if out.entropy is None else out.entropy[0]
+        return out.log_probs, out.entropy
+
+    def _batched_branches(self, group: PromptGroup, completion_ids: torch.Tensor, rows: list[int], lengths: list[int]):
+        """Inputs of the branches of `rows` as one batch `[R, N]`, right-padded to the longest; labels -100 there.
+
+        The padding follows each branch's real tokens, so under causal attention it changes none of their values.
+        """
+        n_max = max(lengths[row] for row in rows)
+        ids = group.tokens[-1].repeat(len(rows), n_max)
+        labels = torch.full_like(ids, -100)
+        for i, row in enumerate(rows):
+            n = lengths[row]
+            ids[i, 1:n] = completion_ids[row, : n - 1]
+            labels[i, :n] = completion_ids[row, :n]
+        positions = self._positions(group.pad + group.tokens.shape[0] - 1, n_max, ids.device).expand(len(rows), -1)
+        return ids, positions, labels
 
     def score(
         self,
@@ -280,30 +298,38 @@ class Engine:
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         keep_last: bool = False,
+        batched: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs and entropies `[B, C]` of the completions, without autograd.
 
         Zero where `completion_mask` is zero, as TRL's fused LM head returns them. Entropies are `None` when the
         model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`.
+        With `batched`, the branches of one prompt run as one batch against its state (old-policy and reference
+        log-probs); without it each branch runs alone, exactly as `backward` replays it, so the loss pass sees the
+        same values in both.
         """
         lengths = completion_lengths(completion_mask)
         logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
         entropies = torch.zeros_like(logps)
         has_entropy = True
         for group in group_prompts(prompt_ids, prompt_mask):
+            rows = [row for row in group.rows if lengths[row] > 0]
             state = self.prefill(group, keep=keep_last)
             t0 = time.perf_counter()
             with self.adapter.activate(), torch.no_grad(), use_pass(Pass(state, visible=state.num_chunks)):
-                for row in group.rows:
-                    n = lengths[row]
-                    if n == 0:
-                        continue
-                    lp, ent = self._forward_branch(state, *self._branch(group, completion_ids[row], n))
-                    logps[row, :n] = lp
-                    if ent is None:
-                        has_entropy = False
-                    else:
-                        entropies[row, :n] = ent
+                if batched and rows:
+                    batches = [(rows, self._batched_branches(group, completion_ids, rows, lengths))]
+                else:
+                    batches = [([row], self._branch(group, completion_ids[row], lengths[row])) for row in rows]
+                for batch_rows, inputs in batches:
+                    lp, ent = self._forward_branch(state, *inputs)
+                    for i, row in enumerate(batch_rows):
+                        n = lengths[row]
+                        logps[row, :n] = lp[i, :n]
+                        if ent is None:
+                            has_entropy = False
+                        else:
+                            entropies[row, :n] = ent[i, :n]
             self.stats.replay_s += time.perf_counter() - t0
         return logps, entropies if has_entropy else None
 
@@ -335,7 +361,7 @@ class Engine:
             live = [r for r in rows if grad_logps[r].any() or (grad_entropies is not None and grad_entropies[r].any())]
             if not live:
                 continue
-            state = self.prefill(group, keep=True)
+            state = self.prefill(group, keep=True, reuse=True)
             if exact:
                 state.requires_grad_()
             t0 = time.perf_counter()
@@ -343,9 +369,9 @@ class Engine:
                 for row in live:
                     n = lengths[row]
                     lp, ent = self._forward_branch(state, *self._branch(group, completion_ids[row], n))
-                    surrogate = (lp * grad_logps[row, :n].to(lp.dtype)).sum()
+                    surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
                     if grad_entropies is not None:
-                        surrogate = surrogate + (ent * grad_entropies[row, :n].to(ent.dtype)).sum()
+                        surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
                     backward_fn(surrogate)
             self.stats.replay_s += time.perf_counter() - t0
             if exact:
