@@ -21,6 +21,12 @@ def length_reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+def position_reward(completions, **kwargs):
+    """Length plus the row's position in the batch, so that even identical (greedy) completions of one group get
+    different rewards and nonzero advantages. Stock and LongStraw score the generation batch in the same order."""
+    return [float(len(c) + i % 3) for i, c in enumerate(completions)]
+
+
 def base_config(**overrides) -> dict:
     config = dict(
         output_dir=tempfile.mkdtemp(),
@@ -44,15 +50,16 @@ def make_pair(
     prompts: list[str] | None = None,
     peft_config=None,
     longstraw: dict | None = None,
+    reward=length_reward,
     **overrides,
 ) -> tuple[GRPOTrainer, LongStrawGRPOTrainer]:
     """Stock and LongStraw trainers with identical settings (and identical adapter weights under PEFT)."""
     dataset = Dataset.from_dict({"prompt": prompts or PROMPTS})
     config = base_config(**overrides)
-    stock = GRPOTrainer(str(path), length_reward, GRPOConfig(**config), train_dataset=dataset, peft_config=peft_config)
+    stock = GRPOTrainer(str(path), reward, GRPOConfig(**config), train_dataset=dataset, peft_config=peft_config)
     extra = {"prefill_chunk_size": 2, "prefill_progress": False, **(longstraw or {})}
     ours_config = LongStrawGRPOConfig(**config, **extra)
-    ours = LongStrawGRPOTrainer(str(path), length_reward, ours_config, train_dataset=dataset, peft_config=peft_config)
+    ours = LongStrawGRPOTrainer(str(path), reward, ours_config, train_dataset=dataset, peft_config=peft_config)
     if peft_config is not None:
         ours.model.load_state_dict(stock.model.state_dict())
     return stock, ours
