@@ -7,7 +7,7 @@ from peft import LoraConfig
 from tolerances import LOGP_ATOL
 from trl.trainer.utils import use_adapter
 
-from trl_longstraw.engine import Engine, group_prompts
+from trl_longstraw.engine import Engine, group_prompts, pack_rows
 from trl_longstraw.testing import random_micro_batch
 from trl_longstraw.trainer import OLD_LOGPS_PENDING
 
@@ -82,15 +82,28 @@ def test_reference_pass_prefills_each_prompt_once(tiny_model_path):
     assert engine.stats.prompt_positions == sum(n - 1 for n in prompt_lengths)
 
 
-def test_batched_scoring_matches_per_branch(tiny_model_path):
+@pytest.mark.parametrize("batch_tokens", [1, 10, 27, 1000])
+def test_batched_scoring_matches_per_branch(tiny_model_path, batch_tokens):
     _, ours = make_pair(tiny_model_path("qwen3"))
     mb = scoring_batch(ours.model.config.vocab_size)
     engine: Engine = ours._engine(ours.model)
     args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
     with torch.no_grad():
         alone = engine.score(*args)
-        batched = engine.score(*args, batched=True)
+        batched = engine.score(*args, batch_tokens=batch_tokens)
     assert_scores_close(alone, batched, mb["completion_mask"])
+
+
+def test_pack_rows_respects_the_token_budget():
+    lengths = [9, 1, 5, 0, 3, 4, 1, 12]
+    rows = [0, 1, 2, 4, 5, 6, 7]
+    for budget in (1, 8, 10, 15, 100):
+        batches = pack_rows(rows, lengths, budget)
+        assert sorted(r for b in batches for r in b) == rows
+        for batch in batches:
+            assert len(batch) == 1 or len(batch) * max(lengths[r] for r in batch) <= budget
+    assert pack_rows(rows, lengths, 100) == [[7, 0, 2, 5, 4, 1, 6]]
+    assert pack_rows(rows, lengths, 10) == [[7], [0], [2, 5], [4, 1, 6]]
 
 
 def test_kept_state_is_not_reused_by_other_scoring(tiny_model_path):

@@ -149,6 +149,21 @@ def completion_lengths(completion_mask: torch.Tensor) -> list[int]:
     return lengths
 
 
+def pack_rows(rows: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Splits `rows` into batches whose padded size `len(batch) * max(lengths)` is at most `budget` tokens.
+
+    Rows are taken longest first, so each batch pads little; a row longer than `budget` forms a batch of its own.
+    """
+    batches: list[list[int]] = []
+    for row in sorted(rows, key=lambda r: -lengths[r]):
+        # The first row of a batch is its longest, so the padded size is (rows + 1) * that length.
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+    return batches
+
+
 @dataclass
 class StepStats:
     """Timings and sizes of the engine work since the last reset, for logging."""
@@ -298,15 +313,15 @@ class Engine:
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         keep_last: bool = False,
-        batched: bool = False,
+        batch_tokens: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs and entropies `[B, C]` of the completions, without autograd.
 
         Zero where `completion_mask` is zero, as TRL's fused LM head returns them. Entropies are `None` when the
         model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`.
-        With `batched`, the branches of one prompt run as one batch against its state (old-policy and reference
-        log-probs); without it each branch runs alone, exactly as `backward` replays it, so the loss pass sees the
-        same values in both.
+        With `batch_tokens > 0`, the branches of one prompt run in batches of at most that many (padded) tokens
+        against its state, a single longer branch alone (old-policy and reference log-probs); with 0 each branch
+        runs alone, exactly as `backward` replays it, so the loss pass sees the same values in both.
         """
         lengths = completion_lengths(completion_mask)
         logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
@@ -317,8 +332,11 @@ class Engine:
             state = self.prefill(group, keep=keep_last)
             t0 = time.perf_counter()
             with self.adapter.activate(), torch.no_grad(), use_pass(Pass(state, visible=state.num_chunks)):
-                if batched and rows:
-                    batches = [(rows, self._batched_branches(group, completion_ids, rows, lengths))]
+                if batch_tokens > 0:
+                    batches = [
+                        (batch, self._batched_branches(group, completion_ids, batch, lengths))
+                        for batch in pack_rows(rows, lengths, batch_tokens)
+                    ]
                 else:
                     batches = [([row], self._branch(group, completion_ids[row], lengths[row])) for row in rows]
                 for batch_rows, inputs in batches:

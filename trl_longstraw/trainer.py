@@ -139,8 +139,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             # The old-policy call of `_generate_and_score_completions`; its values come from the loss pass.
             self._defer_old_logps = False
             return input_ids.new_zeros(input_ids.shape[0], k, dtype=torch.float32), None, None
+        # Branches batched up to a prefill chunk's worth of tokens: the activation memory of one prefill chunk.
         logps, entropies = self._engine(model).score(
-            input_ids[:, :-k], attention_mask[:, :-k], input_ids[:, -k:], attention_mask[:, -k:], batched=True
+            input_ids[:, :-k],
+            attention_mask[:, :-k],
+            input_ids[:, -k:],
+            attention_mask[:, -k:],
+            batch_tokens=self.args.prefill_chunk_size,
         )
         return logps, entropies if compute_entropy else None, None
 
@@ -196,7 +201,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                         batch["prompt_mask"],
                         batch["completion_ids"],
                         batch["completion_mask"],
-                        batched=True,
+                        batch_tokens=self.args.prefill_chunk_size,
                     )
                 batch["old_per_token_logps"] = logps
                 del batch[OLD_LOGPS_PENDING]
