@@ -30,6 +30,8 @@ class DecodePass(Pass):
 
     A layer reads every record of the prompt (batch 1), then the rows' tail (batch G) of tokens decoded before this
     step; the record it emits for the step's token is appended to the tail. Prompt records are never written.
+    An adapter opts in with `decode_tail(capacity)` (the tail storage); its layers must then accept prompt records
+    of batch 1 with G rows of queries, as `prefix_merge_attention` does by broadcasting (no copy of the prompt).
     """
 
     def __init__(self, state: PromptState, tail):
