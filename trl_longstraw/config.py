@@ -45,6 +45,10 @@ class LongStrawGRPOConfig(GRPOConfig):
         memory_guard (`bool`, *optional*, defaults to `True`):
             Before the first step on GPU, compare the capacity planner's estimate of a step with the free device
             memory, and stop with the numbers and concrete suggestions if it cannot fit.
+        shared_generation (`bool`, *optional*, defaults to `True`):
+            On the transformers generation path (no vLLM), prefill each distinct prompt once and decode its G samples
+            against that one state, instead of `model.generate` on G copies of the prompt. `False` generates with
+            transformers' own loop, as `GRPOTrainer` does. The vLLM paths are unchanged either way.
     """
 
     prompt_gradient: str = field(
@@ -77,7 +81,6 @@ class LongStrawGRPOConfig(GRPOConfig):
             "device memory."
         },
     )
-
     shard_prompt_state: bool = field(
         default=False,
         metadata={
@@ -98,6 +101,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             "help": "A micro-batch with NaN/inf log-probs, entropies, loss or loss gradient: 'raise' (stop, naming "
             "the rows and the step) or 'skip' (warn and skip the micro-batch; single-process runs only).",
             "choices": list(NONFINITE_POLICIES),
+        },
+    )
+    shared_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Transformers generation path: prefill each distinct prompt once and decode its G samples "
+            "against it. False: transformers' own generate, as GRPOTrainer."
         },
     )
 

@@ -161,6 +161,21 @@ def completion_lengths(completion_mask: torch.Tensor) -> list[int]:
     return lengths
 
 
+def pack_rows(rows: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Splits `rows` into batches whose padded size `len(batch) * max(lengths)` is at most `budget` tokens.
+
+    Rows are taken longest first, so each batch pads little; a row longer than `budget` forms a batch of its own.
+    """
+    batches: list[list[int]] = []
+    for row in sorted(rows, key=lambda r: -lengths[r]):
+        # The first row of a batch is its longest, so the padded size is (rows + 1) * that length.
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+    return batches
+
+
 @dataclass
 class StepStats:
     """Timings and sizes of the engine work since the last reset, for logging."""
@@ -215,13 +230,15 @@ class Engine:
     def _positions(self, start: int, n: int, device) -> torch.Tensor:
         return torch.arange(start, start + n, device=device)[None]
 
-    def prefill(self, group: PromptGroup, keep: bool = False) -> PromptState:
+    def prefill(self, group: PromptGroup, keep: bool = False, reuse: bool = False) -> PromptState:
         """Runs `tokens[:-1]` of the group without autograd, chunk by chunk, and returns its state.
 
-        With `keep`, the state stays referenced until the next prefill, which reuses it for the same prompt.
+        With `keep`, the state stays referenced until the next prefill. With `reuse`, a kept state of the same prompt
+        is returned instead of prefilling again: only `backward` asks for it, right after the scoring pass of the same
+        micro-batch, so a state is never reused across a weight update or an adapter switch.
         """
         key = (group.pad, group.tokens.cpu().numpy().tobytes())
-        if self._kept is not None and self._kept[0] == key:
+        if reuse and self._kept is not None and self._kept[0] == key:
             return self._kept[1]
         self._kept = None
         t0 = time.perf_counter()
@@ -303,9 +320,24 @@ class Engine:
         return ids[None], positions, completion[None, :n]
 
     def _forward_branch(self, state: PromptState | None, ids, positions, labels):
-        model = branch_model(self.model)
-        out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
-        return out.log_probs[0], None if out.entropy is None else out.entropy[0]
+        """Log-probs and entropies `[R, N]` of branches `ids` `[R, N]`; entropies `None` if the fused head has none."""
+        out = branch_model(self.model)(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
+        return out.log_probs, out.entropy
+
+    def _batched_branches(self, group: PromptGroup, completion_ids: torch.Tensor, rows: list[int], lengths: list[int]):
+        """Inputs of the branches of `rows` as one batch `[R, N]`, right-padded to the longest; labels -100 there.
+
+        The padding follows each branch's real tokens, so under causal attention it changes none of their values.
+        """
+        n_max = max(lengths[row] for row in rows)
+        ids = group.tokens[-1].repeat(len(rows), n_max)
+        labels = torch.full_like(ids, -100)
+        for i, row in enumerate(rows):
+            n = lengths[row]
+            ids[i, 1:n] = completion_ids[row, : n - 1]
+            labels[i, :n] = completion_ids[row, :n]
+        positions = self._positions(group.pad + group.tokens.shape[0] - 1, n_max, ids.device).expand(len(rows), -1)
+        return ids, positions, labels
 
     def _zero_branch(self, group: PromptGroup | None, backward_fn: Callable[[torch.Tensor], None] | None, device):
         """A one-token branch of weight zero: a lockstep filler for the sharded attention (`group` given: it reads
@@ -350,16 +382,20 @@ class Engine:
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         keep_last: bool = False,
+        batch_tokens: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs and entropies `[B, C]` of the completions, without autograd.
 
         Zero where `completion_mask` is zero, as TRL's fused LM head returns them. Entropies are `None` when the
         model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`.
+        With `batch_tokens > 0`, the branches of one prompt run in batches of at most that many (padded) tokens
+        against its state, a single longer branch alone (old-policy and reference log-probs); with 0 each branch
+        runs alone, exactly as `backward` replays it, so the loss pass sees the same values in both.
         """
         with fsdp2_gathered(self.model):
-            return self._score(prompt_ids, prompt_mask, completion_ids, completion_mask, keep_last)
+            return self._score(prompt_ids, prompt_mask, completion_ids, completion_mask, keep_last, batch_tokens)
 
-    def _score(self, prompt_ids, prompt_mask, completion_ids, completion_mask, keep_last):
+    def _score(self, prompt_ids, prompt_mask, completion_ids, completion_mask, keep_last, batch_tokens):
         lengths = completion_lengths(completion_mask)
         logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
         entropies = torch.zeros_like(logps)
@@ -370,17 +406,30 @@ class Engine:
             t0 = time.perf_counter()
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), torch.no_grad(), use_pass(p):
-                for row in rows:
-                    if row is None:
+                if batch_tokens > 0 and self.shards is None:
+                    rows = list(rows)
+                    batches = [
+                        (batch, self._batched_branches(group, completion_ids, batch, lengths))
+                        for batch in pack_rows(rows, lengths, batch_tokens)
+                    ]
+                else:
+                    # Sharded: one branch per round on every rank (fillers included), in lockstep.
+                    batches = (
+                        ([row], None if row is None else self._branch(group, completion_ids[row], lengths[row]))
+                        for row in rows
+                    )
+                for batch_rows, inputs in batches:
+                    if inputs is None:
                         self._zero_branch(group, None, prompt_ids.device)
                         continue
-                    n = lengths[row]
-                    lp, ent = self._forward_branch(state, *self._branch(group, completion_ids[row], n))
-                    logps[row, :n] = lp
-                    if ent is None:
-                        has_entropy = False
-                    else:
-                        entropies[row, :n] = ent
+                    lp, ent = self._forward_branch(state, *inputs)
+                    for i, row in enumerate(batch_rows):
+                        n = lengths[row]
+                        logps[row, :n] = lp[i, :n]
+                        if ent is None:
+                            has_entropy = False
+                        else:
+                            entropies[row, :n] = ent[i, :n]
             self.stats.replay_s += time.perf_counter() - t0
         return logps, entropies if has_entropy else None
 
@@ -427,7 +476,7 @@ class Engine:
         if self._kept is not None:
             schedule.sort(key=lambda item: (item[0].pad, item[0].tokens.cpu().numpy().tobytes()) != self._kept[0])
         for group, rows in schedule:
-            state = self.prefill(group, keep=True)
+            state = self.prefill(group, keep=True, reuse=True)
             if exact:
                 state.requires_grad_()
             t0 = time.perf_counter()
@@ -438,9 +487,9 @@ class Engine:
                         continue
                     n = lengths[row]
                     lp, ent = self._forward_branch(state, *self._branch(group, completion_ids[row], n))
-                    surrogate = (lp * grad_logps[row, :n].to(lp.dtype)).sum()
+                    surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
                     if grad_entropies is not None:
-                        surrogate = surrogate + (ent * grad_entropies[row, :n].to(ent.dtype)).sum()
+                        surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
                     backward_fn(surrogate)
             self.stats.replay_s += time.perf_counter() - t0
             if exact:

@@ -60,6 +60,45 @@ def attention_switched(causal_lm: PreTrainedModel):
         config._attn_implementation = previous
 
 
+class KVTail:
+    """The records of the tokens each decoded row adds after the shared prompt, for `generation.DecodePass`.
+
+    Per attention layer, keys and values `[G, Hkv, capacity, D]`, allocated at the layer's first step and filled one
+    token per step, so a step reads one tail record instead of one record per earlier step.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def records(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
+        """The tail of `layer_idx` so far, as at most one record `(keys, values)` `[G, Hkv, t, D]`."""
+        t = self.lengths.get(layer_idx, 0)
+        if t == 0:
+            return []
+        k, v = self.buffers[layer_idx]
+        return [(k[:, :, :t], v[:, :, :t])]
+
+    def append(self, layer_idx: int, record: tuple[torch.Tensor, ...]) -> None:
+        """Appends the step's `(keys, values)` `[G, Hkv, n, D]` of `layer_idx`."""
+        key, value = record
+        if layer_idx not in self.buffers:
+            shape = (key.shape[0], key.shape[1], self.capacity)
+            self.buffers[layer_idx] = (
+                key.new_empty(*shape, key.shape[-1]),
+                value.new_empty(*shape, value.shape[-1]),
+            )
+            self.lengths[layer_idx] = 0
+        t, n = self.lengths[layer_idx], key.shape[2]
+        if t + n > self.capacity:
+            raise RuntimeError(f"decode tail of capacity {self.capacity} overflowed at layer {layer_idx}")
+        k, v = self.buffers[layer_idx]
+        k[:, :, t : t + n] = key
+        v[:, :, t : t + n] = value
+        self.lengths[layer_idx] = t + n
+
+
 class KVCacheAdapter:
     """Records per attention layer and chunk: `(keys, values)`, each `[1, Hkv, n, D]`."""
 
@@ -68,6 +107,11 @@ class KVCacheAdapter:
 
     def activate(self):
         return attention_switched(self.causal_lm)
+
+    @staticmethod
+    def decode_tail(capacity: int) -> KVTail:
+        """Storage for up to `capacity` decoded tokens per row (see `generation.DecodePass`)."""
+        return KVTail(capacity)
 
     @staticmethod
     def state_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:

@@ -18,15 +18,18 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch.utils.data import Sampler
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, TrainerCallback
 from transformers.utils import logging
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
+from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import RepeatSampler, split_tensor_dict
 
 from . import guards
 from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
 from .engine import Engine, group_prompts
+from .generation import check_generation_config, generate_shared
 from .sharding import PromptShards, shard_group_size
 
 logger = logging.get_logger(__name__)
@@ -36,6 +39,11 @@ GENERATION_STATE_NAME = "longstraw_generation_{}.pt"
 # Per-row inputs that are reported when a micro-batch is non-finite, to point at the cause. Not
 # `sampling_per_token_logps`: vLLM returns NaN there legitimately and TRL neutralizes it.
 _NONFINITE_CONTEXT = ("advantages", "old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
+
+# Marks the rows of a generation batch whose old-policy log-probs are deferred to the first loss pass that sees
+# them (see `LongStrawGRPOTrainer._generate_and_score_completions`). A `[B]` bool tensor, so it survives the shuffle
+# and the split into micro-batches like every other per-row field.
+OLD_LOGPS_PENDING = "longstraw_old_per_token_logps_pending"
 
 
 def _causal_lm(model) -> PreTrainedModel:
@@ -73,6 +81,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._precomputed: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._window_warned = False
         self._memory_checked = False
+        # Old-policy log-probs: armed while the generation batch is scored; the global step they belong to.
+        self._defer_old_logps = False
+        self._old_logps_step: int | None = None
+        self.add_callback(_FillOldLogpsBeforeUpdate(self))
 
     # ---------------------------------------------------------------------------------------------------- checks
     def _check_setup(self) -> None:
@@ -95,9 +107,19 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "torch.nn.DataParallel (several GPUs in one process) is not supported: launch one process per GPU "
                 "with `accelerate launch`."
             )
-        get_adapter(_causal_lm(self.model))
+        adapter = get_adapter(_causal_lm(self.model))
         if self.ref_model is not None:
             get_adapter(_causal_lm(self.ref_model))
+        self._shared_generation = False
+        if self.args.shared_generation and not self.use_vllm and not self.use_transformers_continuous_batching:
+            if hasattr(adapter, "decode_tail"):
+                check_generation_config(self.generation_config)
+                self._shared_generation = True
+            else:
+                logger.warning(
+                    f"model_type {_causal_lm(self.model).config.model_type!r} has no shared-prompt decoding yet: "
+                    "generation runs through transformers' generate, which prefills each prompt G times."
+                )
 
     def _make_prompt_shards(self) -> PromptShards | None:
         """The prompt shard group of this rank (`shard_prompt_state`), or None when the state is not sharded."""
@@ -179,10 +201,106 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             raise RuntimeError("LongStrawGRPOTrainer scores with autograd only through training_step")
         self._check_window(model, input_ids.shape[1])
         k = logits_to_keep
+        if self._defer_old_logps and model is self.model:
+            # The old-policy call of `_generate_and_score_completions`; its values come from the loss pass.
+            self._defer_old_logps = False
+            return input_ids.new_zeros(input_ids.shape[0], k, dtype=torch.float32), None, None
+        # Branches batched up to a prefill chunk's worth of tokens: the activation memory of one prefill chunk.
         logps, entropies = self._engine(model).score(
-            input_ids[:, :-k], attention_mask[:, :-k], input_ids[:, -k:], attention_mask[:, -k:]
+            input_ids[:, :-k],
+            attention_mask[:, :-k],
+            input_ids[:, -k:],
+            attention_mask[:, -k:],
+            batch_tokens=self.args.prefill_chunk_size,
         )
         return logps, entropies if compute_entropy else None, None
+
+    # -------------------------------------------------------------------------------------------- old log-probs
+    def _generate_and_score_completions(self, inputs):
+        """Stock, except that old-policy log-probs are deferred when the weights cannot change before they are used.
+
+        Stock scores every completion with the policy right after generation (one more pass over each prompt) when
+        `gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0`. Until the next optimizer step
+        the policy is the one that generated, so the first loss pass over a micro-batch computes exactly those
+        log-probs (its no-grad scoring); they are stored into the buffered micro-batch for the later iterations.
+        Micro-batches whose first loss pass comes after an optimizer step are scored just before that step
+        (`_fill_pending_old_logps`), with the same weights as stock. Not deferred: evaluation, and vLLM importance
+        sampling, which needs them at generation time.
+        """
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        armed = (
+            self.model.training
+            and self.args.gradient_accumulation_steps % generate_every != 0
+            and not (self.use_vllm and self.vllm_importance_sampling_correction)
+        )
+        self._defer_old_logps = armed
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            consumed = not self._defer_old_logps
+        finally:
+            self._defer_old_logps = False
+        if armed:
+            if not consumed or "old_per_token_logps" not in output:
+                raise RuntimeError("LongStrawGRPOTrainer: GRPOTrainer did not ask for old-policy log-probs")
+            del output["old_per_token_logps"]
+            output[OLD_LOGPS_PENDING] = torch.ones(
+                len(output["prompt_ids"]), dtype=torch.bool, device=output["prompt_ids"].device
+            )
+            self._old_logps_step = self.state.global_step
+        return output
+
+    def _check_old_logps_step(self) -> None:
+        if self.state.global_step != self._old_logps_step:
+            raise RuntimeError(
+                "LongStrawGRPOTrainer: deferred old-policy log-probs would be computed after an optimizer step "
+                f"(generated at step {self._old_logps_step}, now {self.state.global_step})"
+            )
+
+    def _fill_pending_old_logps(self) -> None:
+        """Scores the buffered micro-batches still waiting for old-policy log-probs, before the weights change."""
+        for batch in self._buffered_inputs or []:
+            if OLD_LOGPS_PENDING in batch:
+                self._check_old_logps_step()
+                with torch.no_grad():
+                    logps, _ = self._engine(self.model).score(
+                        batch["prompt_ids"],
+                        batch["prompt_mask"],
+                        batch["completion_ids"],
+                        batch["completion_mask"],
+                        batch_tokens=self.args.prefill_chunk_size,
+                    )
+                batch["old_per_token_logps"] = logps
+                del batch[OLD_LOGPS_PENDING]
+
+    # ------------------------------------------------------------------------------------------------ generation
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Shared-prompt generation on the transformers path (see `generation.py`); stock otherwise."""
+        if not self._shared_generation or images is not None or multimodal_fields:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+            )
+        with (
+            profiling_context(self, "longstraw.generate"),
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+        ):
+            completion_ids = generate_shared(
+                unwrapped_model,
+                self._engine(unwrapped_model),
+                prompt_ids,
+                self.generation_config,
+                pad_token_id=self._tokenizer.pad_token_id,
+                eos_token_ids=self.eos_token_ids,
+                pad_to_multiple_of=self.pad_to_multiple_of,
+                device=self.accelerator.device,
+            )
+        return completion_ids, None
 
     # ------------------------------------------------------------------------------------------------------ step
     def training_step(self, model, inputs, num_items_in_batch):
@@ -209,6 +327,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._check_window(model, inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1])
         engine = self._engine(model)
         engine.stats.reset()
+        old_pending = OLD_LOGPS_PENDING in inputs
+        if old_pending:
+            self._check_old_logps_step()
         prompt = (inputs["prompt_ids"], inputs["prompt_mask"])
         completion = (inputs["completion_ids"], inputs["completion_mask"])
         if torch.cuda.is_available():
@@ -222,6 +343,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             loss = super()._compute_loss(model, inputs)
         finally:
             self._precomputed = None
+        if old_pending:
+            # Same weights as at generation: these are the old-policy log-probs of the later iterations. This pass
+            # itself used `per_token_logps.detach()`, as stock does whenever old and current policy coincide.
+            inputs["old_per_token_logps"] = logps.detach().clone()
+            del inputs[OLD_LOGPS_PENDING]
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         grad_logps = torch.zeros_like(logps) if grads[0] is None else grads[0]
         grad_entropies = grads[1] if len(grads) > 1 else None
@@ -401,6 +527,16 @@ def _local_group_size(args: LongStrawGRPOConfig) -> int:
     """Rows of one group that a process's generation batch holds together: `num_generations` when it holds whole
     groups, fewer when a group is spread over processes. Group and process boundaries both fall on its multiples."""
     return math.gcd(args.num_generations, args.per_device_train_batch_size * args.steps_per_generation)
+
+
+class _FillOldLogpsBeforeUpdate(TrainerCallback):
+    """Computes the deferred old-policy log-probs that no loss pass has produced yet, before each optimizer step."""
+
+    def __init__(self, trainer: LongStrawGRPOTrainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._fill_pending_old_logps()
 
 
 def shuffle_groups(batch: dict[str, Any], micro_batch_size: int, group_size: int) -> dict[str, Any]:

@@ -1,0 +1,175 @@
+"""Shared-prompt generation: one prefill per distinct prompt; greedy equals stock, sampling is stock's sampler."""
+
+import pytest
+import torch
+from grpo_pair import PROMPTS, generation_inputs, make_pair
+from peft import LoraConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from trl_longstraw.generation import generation_config_for_decoder, shared_prompt_decoder
+
+GREEDY = {"do_sample": False}
+
+
+def tokenize(trainer, prompts):
+    return [trainer.processing_class(text=p)["input_ids"] for p in prompts]
+
+
+# Rows of one prompt are not adjacent; prompts of 1 to 7 tokens, so rows are left-padded by different amounts.
+ROWS = ["a b c d e", "x", "h i j k l m n", "a b c d e", "x", "key value is 3", "h i j k l m n", "a b c d e"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 4])
+def test_greedy_completions_equal_stock(tiny_model_path, family, pad_to_multiple_of):
+    settings = dict(generation_kwargs=GREEDY, max_completion_length=9, pad_to_multiple_of=pad_to_multiple_of)
+    stock, ours = make_pair(tiny_model_path(family), **settings)
+    ids = tokenize(stock, ROWS)
+    expected, _ = stock._generate_single_turn(ids, None, {}, 3)
+    got, logprobs = ours._generate_single_turn(ids, None, {}, 3)
+    assert logprobs is None
+    assert got == expected
+    lengths = {len(c) for c in got}
+    assert 1 in lengths and 9 in lengths, "the prompts should cover EOS at once and no EOS at all"
+    assert any(c[-1] == stock.eos_token_ids[0] and len(c) > 1 for c in got), "and EOS midway"
+
+
+def test_greedy_with_repetition_penalty_equals_stock(tiny_model_path):
+    # The penalty reads the padded input_ids, pad tokens included, so the rows must be padded as stock pads them.
+    kwargs = {**GREEDY, "repetition_penalty": 1.5}
+    stock, ours = make_pair(tiny_model_path("llama"), generation_kwargs=kwargs, max_completion_length=9)
+    ids = tokenize(stock, ROWS)
+    assert ours._generate_single_turn(ids, None, {}, 3)[0] == stock._generate_single_turn(ids, None, {}, 3)[0]
+
+
+def test_each_distinct_prompt_is_prefilled_once(tiny_model_path):
+    stock, ours = make_pair(tiny_model_path("llama"), generation_kwargs=GREEDY)
+    ids = tokenize(stock, ROWS)
+    processed = {}
+    for name, trainer in (("stock", stock), ("ours", ours)):
+        calls = []
+        embed = trainer.model.get_input_embeddings()
+        handle = embed.register_forward_hook(lambda m, args, out, calls=calls: calls.append(args[0].numel()))
+        try:
+            completions, _ = trainer._generate_single_turn(ids, None, {}, 3)
+        finally:
+            handle.remove()
+        processed[name] = (calls, completions)
+    calls, completions = processed["ours"]
+    groups = {}
+    for row, prompt in enumerate(ids):
+        groups.setdefault(tuple(prompt), []).append(row)
+    # Exactly: prompt[:-1] of each distinct prompt once, then one token per row and step of its group (the first
+    # step feeds prompt[-1]); a group decodes until its longest completion ends.
+    prefill = sum(len(p) - 1 for p in groups)
+    decode = sum(len(rows) * max(len(completions[r]) for r in rows) for rows in groups.values())
+    assert sum(calls) == prefill + decode
+    # Stock's first forward runs every row's whole padded prompt: each prompt G times.
+    stock_calls, _ = processed["stock"]
+    assert stock_calls[0] == len(ROWS) * max(len(p) for p in groups)
+
+
+class Recorder(LogitsProcessor):
+    """Records the processed scores of every step; changes nothing."""
+
+    def __init__(self):
+        self.scores = []
+
+    def __call__(self, input_ids, scores):
+        self.scores.append(scores.clone())
+        return scores
+
+
+SAMPLING = [
+    {"temperature": 0.7},
+    {"temperature": 1.3, "top_k": 5},
+    {"top_p": 0.8, "repetition_penalty": 1.3},
+    {"min_p": 0.05, "top_k": 0},
+]
+
+
+@pytest.mark.parametrize("settings", SAMPLING)
+def test_sampling_is_stocks_sampler(tiny_model_path, settings):
+    """Same rows and seed: stock's `_sample` and the shared-prompt decoder draw the same tokens, step by step from
+    the same processed distribution (temperature, top-k, top-p, min-p, repetition penalty, EOS then padding)."""
+    _, ours = make_pair(tiny_model_path("llama"))
+    model = ours.model
+    prompt = ours.processing_class(text="h i j k l m n")["input_ids"]
+    width = len(prompt) + 2  # left padding, as in a batch with a longer prompt
+    rows = torch.tensor([[0, 0] + prompt] * 5)
+    mask = torch.tensor([[0, 0] + [1] * len(prompt)] * 5)
+    config = GenerationConfig(
+        max_new_tokens=12, do_sample=True, pad_token_id=0, eos_token_id=[1], disable_compile=True, **settings
+    )
+    outputs = []
+    for custom in (None, shared_prompt_decoder(ours._engine(model), torch.tensor(prompt))):
+        recorder = Recorder()
+        torch.manual_seed(123)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=rows,
+                attention_mask=mask,
+                generation_config=generation_config_for_decoder(config) if custom else config,
+                logits_processor=LogitsProcessorList([recorder]),
+                custom_generate=custom,
+            )
+        outputs.append((out, recorder.scores))
+    (stock_out, stock_scores), (our_out, our_scores) = outputs
+    assert torch.equal(our_out, stock_out)
+    assert len(our_scores) == len(stock_scores) == stock_out.shape[1] - width
+    for a, b in zip(stock_scores, our_scores, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    # The five rows share one prompt but not their samples.
+    assert len({tuple(r) for r in our_out[:, width:].tolist()}) > 1
+
+
+def test_sampled_batch_has_stocks_shapes_and_masks(tiny_model_path):
+    stock, ours = make_pair(tiny_model_path("llama"), per_device_train_batch_size=6, max_completion_length=9)
+    inputs = generation_inputs(["h i j k l m n", "x"], 3)
+    for t in (stock, ours):
+        t.model.train()
+    torch.manual_seed(0)
+    expected = stock._generate_and_score_completions(inputs)
+    torch.manual_seed(0)
+    batch = ours._generate_and_score_completions(inputs)
+    for key in ("prompt_ids", "prompt_mask"):
+        torch.testing.assert_close(batch[key], expected[key], rtol=0, atol=0)
+    eos = ours.eos_token_ids[0]
+    ids, mask = batch["completion_ids"], batch["completion_mask"]
+    assert ids.shape[1] <= 9 and ids.shape == mask.shape
+    for row in range(ids.shape[0]):
+        n = int(mask[row].sum())
+        assert mask[row, :n].all() and not mask[row, n:].any()
+        assert (ids[row, n:] == ours.processing_class.pad_token_id).all()
+        real = ids[row, :n].tolist()
+        assert eos not in real[:-1]
+        assert real[-1] == eos or n == 9
+
+
+def test_peft_greedy_equals_stock(tiny_model_path):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    stock, ours = make_pair(tiny_model_path("llama"), peft_config=lora, generation_kwargs=GREEDY)
+    ids = tokenize(stock, PROMPTS)
+    assert ours._generate_single_turn(ids, None, {}, 3)[0] == stock._generate_single_turn(ids, None, {}, 3)[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_beams": 2, "do_sample": False}, "beam"),
+        ({"guidance_scale": 2.0}, "guidance_scale"),
+        ({"return_dict_in_generate": True}, "return_dict_in_generate"),
+    ],
+)
+def test_unsupported_generation_settings_are_refused(tiny_model_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_pair(tiny_model_path("llama"), generation_kwargs=kwargs)
+
+
+def test_shared_generation_off_is_stock(tiny_model_path):
+    stock, ours = make_pair(tiny_model_path("llama"), generation_kwargs=GREEDY, longstraw={"shared_generation": False})
+    engine = ours._engine(ours.model)
+    engine.stats.reset()
+    ids = tokenize(stock, ROWS)
+    assert ours._generate_single_turn(ids, None, {}, 3)[0] == stock._generate_single_turn(ids, None, {}, 3)[0]
+    assert engine.stats.prompt_positions == 0

@@ -1,0 +1,189 @@
+"""Shared-prompt generation on the transformers path: one prefill per distinct prompt, the G samples decode after it.
+
+Stock `GRPOTrainer` calls `model.generate` on the whole generation batch, whose rows repeat each prompt G times, so
+every prompt is prefilled G times and its keys and values are held G times. Here each distinct prompt is prefilled
+once by the engine (chunked, without autograd) and its G rows decode against that one state: at each step a layer
+reads every prompt record (batch 1, broadcast over the rows) and then the rows' own tail of decoded tokens.
+
+Sampling itself stays transformers': `generate` builds the logits processors and stopping criteria from the
+trainer's `GenerationConfig` and calls `shared_prompt_decoder(...)` in place of its `_sample` loop, which this
+module mirrors step for step (processors on the padded rows, multinomial or argmax, pad after EOS, stop criteria).
+Positions follow `generate`: the first real prompt token is at position 0 whatever the padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation import GenerationMode
+from trl.trainer.utils import pad
+
+from .engine import Engine, Pass, PromptGroup, PromptState, use_pass
+
+SUPPORTED_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
+
+
+class DecodePass(Pass):
+    """A decoding step of G rows that share one prompt state.
+
+    A layer reads every record of the prompt (batch 1), then the rows' tail (batch G) of tokens decoded before this
+    step; the record it emits for the step's token is appended to the tail. Prompt records are never written.
+    An adapter opts in with `decode_tail(capacity)` (the tail storage); its layers must then accept prompt records
+    of batch 1 with G rows of queries, as `prefix_merge_attention` does by broadcasting (no copy of the prompt).
+    """
+
+    def __init__(self, state: PromptState, tail):
+        super().__init__(state, visible=state.num_chunks)
+        self.tail = tail
+
+    def read(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
+        return super().read(layer_idx) + self.tail.records(layer_idx)
+
+    def emit(self, layer_idx: int, record: tuple[torch.Tensor, ...]) -> None:
+        self.tail.append(layer_idx, tuple(t.detach() for t in record))
+
+
+def check_generation_config(config: GenerationConfig) -> None:
+    """Raises ValueError for settings the shared-prompt decoder cannot reproduce, naming the alternative."""
+    fix = "or set shared_generation=False in LongStrawGRPOConfig to generate with transformers' own loop"
+    mode = config.get_generation_mode()
+    if mode not in SUPPORTED_MODES:
+        raise ValueError(
+            f"shared-prompt generation supports sampling and greedy decoding, not {mode.value}: remove the "
+            f"generation_kwargs that select it (num_beams, penalty_alpha, dola_layers, ...), {fix}."
+        )
+    if (config.num_return_sequences or 1) != 1:
+        raise ValueError(f"num_return_sequences must be 1 (GRPO repeats prompts itself): remove it, {fix}.")
+    if config.guidance_scale not in (None, 1, 1.0):
+        raise ValueError(
+            f"guidance_scale={config.guidance_scale} runs extra forwards of the model inside the logits processor, "
+            f"which shared-prompt generation does not route: remove it, {fix}."
+        )
+    if config.return_dict_in_generate:
+        raise ValueError(f"return_dict_in_generate is not supported by shared-prompt generation: remove it, {fix}.")
+
+
+def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor) -> Callable:
+    """A `custom_generate` callable for `model.generate` that decodes rows which all hold `prompt`.
+
+    Args:
+        engine: the engine of the generating model (its `causal_lm` carries any active PEFT adapter).
+        prompt: `[L]` the prompt without padding; the rows passed to `generate` are this prompt, left-padded.
+    """
+
+    def decode(
+        model,
+        input_ids: torch.LongTensor,
+        logits_processor,
+        stopping_criteria,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        streamer=None,
+        **model_kwargs,
+    ) -> torch.LongTensor:
+        """Mirrors `GenerationMixin._sample` (no streamer, no dict output). `input_ids` `[G, P]` -> `[G, P + T]`."""
+        if synced_gpus:
+            raise ValueError(
+                "shared-prompt generation does not run in lockstep across processes (FSDP or ZeRO-3 generation "
+                "needs synced_gpus): set shared_generation=False in LongStrawGRPOConfig."
+            )
+        if streamer is not None:
+            raise ValueError("shared-prompt generation does not stream: remove the streamer.")
+        rows, width = input_ids.shape
+        pad_token_id = generation_config._pad_token_tensor
+        has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+        unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
+        # Positions as generate derives them from the attention mask: the first real prompt token is at 0.
+        state = engine.prefill(PromptGroup(tokens=prompt, pad=0, rows=list(range(rows))))
+        tail = engine.adapter.decode_tail(generation_config.max_length - width)
+        step_ids = prompt[-1:].expand(rows)
+        position = prompt.shape[0] - 1
+        with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail)):
+            while True:
+                outputs = engine.causal_lm(
+                    input_ids=step_ids[:, None],
+                    position_ids=torch.full((rows, 1), position, device=input_ids.device),
+                    use_cache=False,
+                )
+                next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+                del outputs
+                next_token_scores = logits_processor(input_ids, next_token_logits)
+                if generation_config.do_sample:
+                    probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
+                    next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+                else:
+                    next_tokens = torch.argmax(next_token_scores, dim=-1)
+                if has_eos_stopping_criteria:
+                    next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+                unfinished = unfinished & ~stopping_criteria(input_ids, None)
+                if unfinished.max() == 0:
+                    return input_ids
+                step_ids = next_tokens
+                position += 1
+
+    return decode
+
+
+def generation_config_for_decoder(config: GenerationConfig) -> GenerationConfig:
+    """A copy of `config` with transformers' own cache turned off: the engine holds the prompt state and tails."""
+    config = GenerationConfig.from_dict(config.to_dict())
+    config.use_cache = False
+    config.cache_implementation = None
+    return config
+
+
+def trim_after_eos(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> list[list[int]]:
+    """Each row of `completion_ids` `[G, T]` up to and including its first EOS, as `GRPOTrainer` trims them."""
+    device = completion_ids.device
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=device))
+    eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=device)
+    eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
+    sequence_indices = torch.arange(is_eos.size(1), device=device).expand(is_eos.size(0), -1)
+    completion_mask = sequence_indices <= eos_idx.unsqueeze(1)
+    return [c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.cpu(), strict=True)]
+
+
+def generate_shared(
+    model,
+    engine: Engine,
+    prompt_ids: list[list[int]],
+    generation_config: GenerationConfig,
+    pad_token_id: int,
+    eos_token_ids: list[int],
+    pad_to_multiple_of: int | None,
+    device: torch.device,
+) -> list[list[int]]:
+    """Completions of `prompt_ids` (one list of token ids per row), one `generate` call per distinct prompt.
+
+    The rows of one prompt are passed to `generate` left-padded to the batch width exactly as `GRPOTrainer` pads
+    the whole batch, so the logits processors (repetition penalty, minimum length) and the maximum length see the
+    same `input_ids` as in stock; only the decoding loop is `shared_prompt_decoder`'s.
+
+    Args:
+        model: the model `generate` is called on (unwrapped, PEFT adapters active).
+        engine: the engine of that model.
+        generation_config: the trainer's generation config; checked with `check_generation_config`.
+    Returns:
+        Per row, the generated ids up to and including the first EOS.
+    """
+    tensors = [torch.tensor(ids) for ids in prompt_ids]
+    padded = pad(tensors, padding_value=pad_token_id, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
+    ones = [torch.ones_like(t) for t in tensors]
+    mask = pad(ones, padding_value=0, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
+    padded, mask = padded.to(device), mask.to(device)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, ids in enumerate(prompt_ids):
+        groups.setdefault(tuple(ids), []).append(row)
+    config = generation_config_for_decoder(generation_config)
+    completions: list[list[int]] = [[] for _ in prompt_ids]
+    for tokens, rows in groups.items():
+        decoder = shared_prompt_decoder(engine, torch.tensor(tokens, device=device))
+        out = model.generate(
+            input_ids=padded[rows], attention_mask=mask[rows], generation_config=config, custom_generate=decoder
+        )
+        for row, completion in zip(rows, trim_after_eos(out[:, padded.shape[1] :], eos_token_ids), strict=True):
+            completions[row] = completion
+    return completions
