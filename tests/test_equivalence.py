@@ -165,21 +165,28 @@ def test_detached_matches_plain_reference(tiny_model_path, family):
 
 
 def test_branch_replay_does_not_write_the_prompt_state(tiny_model_path):
-    """Replaying branches leaves the retained prompt state bit-identical (no in-place cache appends)."""
+    """Replaying branches with autograd leaves the retained prompt state bit-identical (no in-place cache appends),
+    and the backward pass reuses the state that the scoring pass of the same micro-batch left."""
     path = tiny_model_path("llama")
     ours = make_trainer(path, prefill_chunk_size=CHUNK, prefill_progress=False)
     engine = ours._engine(ours.model)
     mb = random_micro_batch([13], [9, 1, 4], [0, 0, 0], VOCAB, seed=3)
+    batch = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
     with torch.no_grad():
-        engine.score(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"], keep_last=True)
+        engine.score(*batch, keep_last=True)
     key, state = engine._kept
     before = [t.clone() for t in state.tensors()]
-    with torch.no_grad():
-        engine.score(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"], keep_last=True)
-    assert engine._kept[1] is state
-    after = list(state.tensors())
-    assert len(before) == len(after) == 2 * 2 * 3  # 2 layers x (k, v) x ceil(12 / 5) chunks
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert len(before) == 2 * 2 * 3  # 2 layers x (k, v) x ceil(12 / 5) chunks
+    seen = []
+    engine.backward(
+        *batch,
+        torch.ones(mb["completion_ids"].shape),
+        None,
+        False,
+        lambda loss: (seen.append(engine._kept), loss.backward()),
+    )
+    assert len(seen) == 3 and all(kept[1] is state for kept in seen)
+    assert all(torch.equal(a, b) for a, b in zip(before, state.tensors(), strict=True))
 
 
 def test_prediction_step_evaluates(tiny_model_path):
