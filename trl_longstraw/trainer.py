@@ -112,7 +112,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             get_adapter(_causal_lm(self.ref_model))
         self._shared_generation = False
         if self.args.shared_generation and not self.use_vllm and not self.use_transformers_continuous_batching:
-            if hasattr(adapter, "decode_tail"):
+            if self.args.shard_prompt_state:
+                logger.warning(
+                    "shared_generation does not decode against a sharded prompt state yet: with "
+                    "shard_prompt_state=True, generation runs through transformers' generate."
+                )
+            elif hasattr(adapter, "decode_tail"):
                 check_generation_config(self.generation_config)
                 self._shared_generation = True
             else:
