@@ -9,6 +9,8 @@ gradient as its weight; in exact mode the gradient left on the prompt state is f
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
 from typing import Any
 
@@ -172,6 +174,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         metrics["longstraw/state_gib"].append(stats.state_bytes / 2**30)
         if torch.cuda.is_available():
             metrics["longstraw/peak_memory_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
+        else:
+            metrics["longstraw/peak_rss_gib"].append(peak_rss_gib())
 
     # ---------------------------------------------------------------------------------------------------- inputs
     def _prepare_inputs(self, generation_batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
@@ -184,6 +188,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             generation_batch = shuffle_groups(generation_batch, self.args.per_device_train_batch_size)
             self._buffered_inputs = split_tensor_dict(generation_batch, self.args.steps_per_generation)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+
+def peak_rss_gib() -> float:
+    """Peak resident set size of this process so far, in GiB (the CPU counterpart of the GPU's peak memory)."""
+    # ru_maxrss is in KiB on Linux, in bytes on macOS.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
 
 
 def shuffle_groups(batch: dict[str, Any], micro_batch_size: int) -> dict[str, Any]:
