@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+import resource
+import sys
 import time
 from typing import Any
 
@@ -467,6 +469,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         metrics["longstraw/state_gib"].append(stats.state_bytes / 2**30)
         if torch.cuda.is_available():
             metrics["longstraw/peak_memory_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
+        else:
+            metrics["longstraw/peak_rss_gib"].append(peak_rss_gib())
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def _generation_layout(self) -> dict[str, int]:
@@ -542,6 +546,13 @@ class _FillOldLogpsBeforeUpdate(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._fill_pending_old_logps()
+
+
+def peak_rss_gib() -> float:
+    """Peak resident set size of this process so far, in GiB (the CPU counterpart of the GPU's peak memory)."""
+    # ru_maxrss is in KiB on Linux, in bytes on macOS.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
 
 
 def shuffle_groups(batch: dict[str, Any], micro_batch_size: int, group_size: int) -> dict[str, Any]:
