@@ -122,3 +122,10 @@ def test_train_two_steps_with_generation(tiny_model_path, mode):
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     # The branches attend to their own keys in both modes, so the key projections always receive gradient.
     assert "model.layers.0.self_attn.k_proj.weight" in changed
+
+
+def test_shard_prompt_state_refused_for_adapters_without_it(tiny_model_path):
+    """The glm_moe_dsa adapter keeps replicated records: asking for a sharded state is an error, not a no-op."""
+    with pytest.raises(ValueError, match="shard_prompt_state is not supported by the 'glm_moe_dsa' adapter"):
+        make_trainer(tiny_model_path("glm_moe_dsa"), shard_prompt_state=True)
+    make_trainer(tiny_model_path("llama"), shard_prompt_state=True)

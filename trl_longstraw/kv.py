@@ -102,6 +102,9 @@ class KVTail:
 class KVCacheAdapter:
     """Records per attention layer and chunk: `(keys, values)`, each `[1, Hkv, n, D]`."""
 
+    # Attention goes through `sharding.attend`, so the records can be spread over the ranks of a shard group.
+    shards_prompt_state = True
+
     def __init__(self, causal_lm: PreTrainedModel):
         self.causal_lm = causal_lm
 

@@ -110,6 +110,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "with `accelerate launch`."
             )
         adapter = get_adapter(_causal_lm(self.model))
+        if self.args.shard_prompt_state and not getattr(adapter, "shards_prompt_state", False):
+            raise ValueError(
+                f"shard_prompt_state is not supported by the {_causal_lm(self.model).config.model_type!r} adapter "
+                "yet: set shard_prompt_state=False (and use more GPUs or prompt_gradient='detached' for capacity)."
+            )
         if self.ref_model is not None:
             get_adapter(_causal_lm(self.ref_model))
         self._shared_generation = False
