@@ -9,6 +9,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from .kv import KVCacheAdapter
+from .qwen3_5 import Qwen3_5Adapter
 
 ADAPTERS = {
     "llama": KVCacheAdapter,
@@ -16,6 +17,10 @@ ADAPTERS = {
     "qwen2": KVCacheAdapter,
     "qwen3": KVCacheAdapter,
     "qwen3_moe": KVCacheAdapter,
+    # Qwen3.5 / Qwen3.6 (e.g. Qwen3.6-27B). Loaded as Qwen3_5ForCausalLM, a composite "qwen3_5" checkpoint reports
+    # its text config, "qwen3_5_text".
+    "qwen3_5": Qwen3_5Adapter,
+    "qwen3_5_text": Qwen3_5Adapter,
 }
 
 

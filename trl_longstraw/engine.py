@@ -30,11 +30,14 @@ from tqdm.auto import tqdm
 class PromptState:
     """Per-layer records of one prompt, one record (a tuple of tensors) per prefill chunk.
 
-    `records[layer][c]` is `None` once chunk `c` has been consumed by the reverse pass.
+    `records[layer][c]` is `None` once chunk `c` has been consumed by the reverse pass, or once a later record of a
+    recurrent layer superseded it (see `Pass.emit`) and the state does not keep `boundaries`.
     """
 
     records: dict[int, list[tuple[torch.Tensor, ...] | None]] = field(default_factory=dict)
     num_chunks: int = 0
+    # Keep superseded records too: the exact-mode reverse pass starts chunk `c` from the recurrent state at its start.
+    boundaries: bool = False
 
     def tensors(self) -> Iterator[torch.Tensor]:
         for chunks in self.records.values():
@@ -67,10 +70,17 @@ class Pass:
         """The records of chunks `[0, visible)` of this layer."""
         return self.state.records.get(layer_idx, [])[: self.visible]
 
-    def emit(self, layer_idx: int, record: tuple[torch.Tensor, ...]) -> None:
-        """Receives the record of the current chunk from layer `layer_idx`."""
+    def emit(self, layer_idx: int, record: tuple[torch.Tensor, ...], supersedes: bool = False) -> None:
+        """Receives the record of the current chunk from layer `layer_idx`.
+
+        A record that `supersedes` the earlier ones of its layer (a recurrent state, which already sums up all of
+        them) lets the prefill drop those, unless the state keeps its chunk `boundaries`.
+        """
         if self.append:
-            self.state.records.setdefault(layer_idx, []).append(tuple(t.detach() for t in record))
+            records = self.state.records.setdefault(layer_idx, [])
+            if supersedes and not self.state.boundaries:
+                records[:] = [None] * len(records)
+            records.append(tuple(t.detach() for t in record))
         elif self.sink is not None:
             self.sink[layer_idx] = record
 
@@ -195,18 +205,19 @@ class Engine:
     def _positions(self, start: int, n: int, device) -> torch.Tensor:
         return torch.arange(start, start + n, device=device)[None]
 
-    def prefill(self, group: PromptGroup, keep: bool = False) -> PromptState:
+    def prefill(self, group: PromptGroup, keep: bool = False, boundaries: bool = False) -> PromptState:
         """Runs `tokens[:-1]` of the group without autograd, chunk by chunk, and returns its state.
 
-        With `keep`, the state stays referenced until the next prefill, which reuses it for the same prompt.
+        With `keep`, the state stays referenced until the next prefill, which reuses it for the same prompt. With
+        `boundaries`, recurrent layers keep their state at every chunk boundary, as the exact-mode reverse pass needs.
         """
         key = (group.pad, group.tokens.cpu().numpy().tobytes())
-        if self._kept is not None and self._kept[0] == key:
+        if self._kept is not None and self._kept[0] == key and (self._kept[1].boundaries or not boundaries):
             return self._kept[1]
         self._kept = None
         t0 = time.perf_counter()
         prefix = group.tokens[:-1]
-        state = PromptState()
+        state = PromptState(boundaries=boundaries)
         chunks = self._chunks(prefix.shape[0])
         bar = tqdm(total=prefix.shape[0], desc="prefill", unit="tok", disable=not self.progress or len(chunks) < 2)
         with self.adapter.activate(), torch.no_grad():
@@ -241,6 +252,8 @@ class Engine:
             for c in reversed(range(len(chunks))):
                 start, end = chunks[c]
                 own = {layer: records[c] for layer, records in state.records.items()}
+                if any(record is None for record in own.values()):
+                    raise RuntimeError("the exact-mode reverse pass needs a state prefilled with boundaries=True")
                 if any(t.grad is not None for record in own.values() for t in record):
                     p = Pass(state, visible=c)
                     p.sink = {}
@@ -280,18 +293,20 @@ class Engine:
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         keep_last: bool = False,
+        boundaries: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs and entropies `[B, C]` of the completions, without autograd.
 
         Zero where `completion_mask` is zero, as TRL's fused LM head returns them. Entropies are `None` when the
-        model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`.
+        model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`;
+        pass `boundaries=True` when that backward is exact, so that the state can be reused.
         """
         lengths = completion_lengths(completion_mask)
         logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
         entropies = torch.zeros_like(logps)
         has_entropy = True
         for group in group_prompts(prompt_ids, prompt_mask):
-            state = self.prefill(group, keep=keep_last)
+            state = self.prefill(group, keep=keep_last, boundaries=boundaries)
             t0 = time.perf_counter()
             with self.adapter.activate(), torch.no_grad(), use_pass(Pass(state, visible=state.num_chunks)):
                 for row in group.rows:
@@ -335,7 +350,7 @@ class Engine:
             live = [r for r in rows if grad_logps[r].any() or (grad_entropies is not None and grad_entropies[r].any())]
             if not live:
                 continue
-            state = self.prefill(group, keep=True)
+            state = self.prefill(group, keep=True, boundaries=exact)
             if exact:
                 state.requires_grad_()
             t0 = time.perf_counter()
