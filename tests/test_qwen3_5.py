@@ -26,7 +26,7 @@ from trl_longstraw.adapters import get_adapter
 from trl_longstraw.engine import Engine, Pass, PromptGroup, use_pass
 from trl_longstraw.qwen3_5 import Qwen3_5Adapter, torch_gated_delta_rule
 from trl_longstraw.reference import detached_prompt_logps, plain_token_logps
-from trl_longstraw.testing import build_tokenizer, random_micro_batch
+from trl_longstraw.testing import build_tokenizer, random_micro_batch, tiny_config
 
 VOCAB = len(build_tokenizer())
 # Rows 0/2 and 1/4 share prompts; row 3 has a 1-token prompt (no prefix), row 5 a 2-token one (1-token prefix).
@@ -190,6 +190,65 @@ def test_activate_restores_the_modules(fused_model):
         assert fused_model.config._attn_implementation == "longstraw"
     assert "forward" not in deltanet.__dict__
     assert fused_model.config._attn_implementation != "longstraw"
+
+
+def test_accelerate_hooks_still_run(fused_model):
+    """With an accelerate hook on a DeltaNet (as device_map dispatch adds), the hook still fires while the engine
+    runs, the results stay right, and the hook is intact afterwards."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class Counting(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counting.calls += 1
+            return args, kwargs
+
+    deltanet = next(m for m in fused_model.modules() if isinstance(m, Qwen3_5GatedDeltaNet))
+    mb = micro_batch()
+    args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
+    engine = Engine(fused_model, fused_model, get_adapter(fused_model), chunk_size=CHUNK)
+    with torch.no_grad():
+        ref, _ = engine.score(*args)
+        add_hook_to_module(deltanet, Counting())
+        try:
+            hook_forward = deltanet.forward
+            lp, _ = engine.score(*args)
+            assert deltanet.forward is hook_forward
+            assert deltanet._old_forward.__func__ is Qwen3_5GatedDeltaNet.forward
+        finally:
+            remove_hook_from_module(deltanet)
+            # accelerate leaves the bound stock forward as an instance attribute; drop it for the other tests.
+            del deltanet.forward
+    # One call per prefill chunk (3 + 2 + 1, none for the 1-token prompt) and per branch (6 rows).
+    assert Counting.calls == 6 + 6
+    torch.testing.assert_close(lp, ref, atol=0, rtol=0)
+
+
+def test_replay_does_not_write_the_prompt_state(fused_model):
+    """Scoring branches (and a second scoring pass reusing the kept state) leaves every record bit-identical."""
+    engine = Engine(fused_model, fused_model, get_adapter(fused_model), chunk_size=CHUNK)
+    mb = random_micro_batch([13], [9, 1, 4], [0, 0, 0], VOCAB, seed=3)
+    args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
+    with torch.no_grad():
+        engine.score(*args, keep_last=True)
+        state = engine._kept[1]
+        before = [t.clone() for t in state.tensors()]
+        engine.score(*args, keep_last=True)
+    assert engine._kept[1] is state
+    after = list(state.tensors())
+    assert len(after) == 2 * 3 + 2 * 3  # attention: (k, v) x 3 chunks; 3 DeltaNets: (tail, state) of the last chunk
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_vision_language_class_is_rejected():
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    text = tiny_config("qwen3_5", VOCAB).to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
+    vlm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM.from_pretrained"):
+        get_adapter(vlm)
 
 
 def test_cache_is_rejected(fused_model):

@@ -40,6 +40,7 @@ from transformers.activations import ACT2FN
 from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5GatedDeltaNet,
+    Qwen3_5TextModel,
     apply_mask_to_padding_states,
     l2norm,
 )
@@ -231,25 +232,33 @@ class Qwen3_5Adapter:
     `[1, C, kernel-1]`, `[1, Hv, Dk, Dv]` fp32 per Gated DeltaNet layer, superseding the earlier ones."""
 
     def __init__(self, causal_lm: PreTrainedModel):
+        if not isinstance(causal_lm.base_model, Qwen3_5TextModel):
+            raise ValueError(
+                f"{type(causal_lm).__name__} is not supported by trl_longstraw, which trains Qwen3.5 text-only: load "
+                "the checkpoint with transformers.Qwen3_5ForCausalLM.from_pretrained(path) and pass it with its "
+                "tokenizer (processing_class=AutoTokenizer.from_pretrained(path))."
+            )
         self.causal_lm = causal_lm
         self.deltanets = [m for m in causal_lm.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]
 
     @contextlib.contextmanager
     def activate(self):
         """Routes attention through `longstraw_attention` and DeltaNets through `_gated_deltanet_forward`."""
-        # An instance attribute shadows the class's forward; a previous one (e.g. an accelerate hook) is put back.
-        previous = [m.__dict__.get("forward") for m in self.deltanets]
+        # An instance attribute shadows the class's forward. Under accelerate's device hooks the instance `forward` is
+        # the hook, which calls `_old_forward`: replace that one instead, so that the hook still runs.
+        names = ["_old_forward" if "_old_forward" in m.__dict__ else "forward" for m in self.deltanets]
+        previous = [m.__dict__.get(name) for m, name in zip(self.deltanets, names, strict=True)]
         try:
-            for m in self.deltanets:
-                m.forward = types.MethodType(_gated_deltanet_forward, m)
+            for m, name in zip(self.deltanets, names, strict=True):
+                setattr(m, name, types.MethodType(_gated_deltanet_forward, m))
             with attention_switched(self.causal_lm):
                 yield
         finally:
-            for m, forward in zip(self.deltanets, previous, strict=True):
+            for m, name, forward in zip(self.deltanets, names, previous, strict=True):
                 if forward is None:
-                    del m.forward
+                    delattr(m, name)
                 else:
-                    m.forward = forward
+                    setattr(m, name, forward)
 
     @staticmethod
     def state_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:
