@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from .glm_moe_dsa import GlmMoeDsaAdapter
 from .kv import KVCacheAdapter
+from .qwen3_5 import Qwen3_5Adapter
 
 ADAPTERS = {
     "llama": KVCacheAdapter,
@@ -18,6 +19,10 @@ ADAPTERS = {
     "qwen3": KVCacheAdapter,
     "qwen3_moe": KVCacheAdapter,
     "glm_moe_dsa": GlmMoeDsaAdapter,
+    # Qwen3.5 / Qwen3.6 (e.g. Qwen3.6-27B). Loaded as Qwen3_5ForCausalLM, a composite "qwen3_5" checkpoint reports
+    # its text config, "qwen3_5_text".
+    "qwen3_5": Qwen3_5Adapter,
+    "qwen3_5_text": Qwen3_5Adapter,
 }
 
 

@@ -32,12 +32,15 @@ from .distributed import branch_model, finish_ddp, fsdp2_gathered
 class PromptState:
     """Per-layer records of one prompt, one record (a tuple of tensors) per prefill chunk.
 
-    `records[layer][c]` is `None` once chunk `c` has been consumed by the reverse pass, or when the prompt state is
-    sharded (`shard_prompt_state`) and another rank holds that chunk.
+    `records[layer][c]` is `None` once chunk `c` has been consumed by the reverse pass, once a later record of a
+    recurrent layer superseded it (see `Pass.emit`) and the state does not keep `boundaries`, or when the prompt state
+    is sharded (`shard_prompt_state`) and another rank holds that chunk.
     """
 
     records: dict[int, list[tuple[torch.Tensor, ...] | None]] = field(default_factory=dict)
     num_chunks: int = 0
+    # Keep superseded records too: the exact-mode reverse pass starts chunk `c` from the recurrent state at its start.
+    boundaries: bool = False
 
     def tensors(self) -> Iterator[torch.Tensor]:
         for chunks in self.records.values():
@@ -73,14 +76,20 @@ class Pass:
         """The records of chunks `[0, visible)` of this layer."""
         return self.state.records.get(layer_idx, [])[: self.visible]
 
-    def emit(self, layer_idx: int, record: tuple[torch.Tensor, ...], sharded: bool = False) -> None:
+    def emit(
+        self, layer_idx: int, record: tuple[torch.Tensor, ...], sharded: bool = False, supersedes: bool = False
+    ) -> None:
         """Receives the record of the current chunk from layer `layer_idx`.
 
         A `sharded` record is kept only by the rank that owns the chunk when the state is sharded; other records are
-        replicated on every rank (see `sharding`).
+        replicated on every rank (see `sharding`). A record that `supersedes` the earlier ones of its layer (a
+        recurrent state, which already sums up all of them) lets the prefill drop those, unless the state keeps its
+        chunk `boundaries`.
         """
         if self.append:
             records = self.state.records.setdefault(layer_idx, [])
+            if supersedes and not self.state.boundaries:
+                records[:] = [None] * len(records)
             held = not (sharded and self.shard is not None and self.shard.owner(len(records)) != self.shard.rank)
             records.append(tuple(t.detach() for t in record) if held else None)
         elif self.sink is not None:
@@ -230,20 +239,24 @@ class Engine:
     def _positions(self, start: int, n: int, device) -> torch.Tensor:
         return torch.arange(start, start + n, device=device)[None]
 
-    def prefill(self, group: PromptGroup, keep: bool = False, reuse: bool = False) -> PromptState:
+    def prefill(
+        self, group: PromptGroup, keep: bool = False, reuse: bool = False, boundaries: bool = False
+    ) -> PromptState:
         """Runs `tokens[:-1]` of the group without autograd, chunk by chunk, and returns its state.
 
         With `keep`, the state stays referenced until the next prefill. With `reuse`, a kept state of the same prompt
         is returned instead of prefilling again: only `backward` asks for it, right after the scoring pass of the same
-        micro-batch, so a state is never reused across a weight update or an adapter switch.
+        micro-batch, so a state is never reused across a weight update or an adapter switch. With `boundaries`,
+        recurrent layers keep their state at every chunk boundary, as the exact-mode reverse pass needs.
         """
         key = (group.pad, group.tokens.cpu().numpy().tobytes())
-        if reuse and self._kept is not None and self._kept[0] == key:
+        kept = self._kept
+        if reuse and kept is not None and kept[0] == key and (kept[1].boundaries or not boundaries):
             return self._kept[1]
         self._kept = None
         t0 = time.perf_counter()
         prefix = group.tokens[:-1]
-        state = PromptState()
+        state = PromptState(boundaries=boundaries)
         chunks = self._chunks(prefix.shape[0])
         bar = tqdm(total=prefix.shape[0], desc="prefill", unit="tok", disable=not self.progress or len(chunks) < 2)
         with self.adapter.activate(), torch.no_grad():
@@ -276,6 +289,8 @@ class Engine:
         self._kept = None
         prefix = group.tokens[:-1]
         chunks = self._chunks(prefix.shape[0])
+        if not state.boundaries:
+            raise RuntimeError("the exact-mode reverse pass needs a state prefilled with boundaries=True")
         with self.adapter.activate():
             for c in reversed(range(len(chunks))):
                 start, end = chunks[c]
@@ -383,26 +398,29 @@ class Engine:
         completion_mask: torch.Tensor,
         keep_last: bool = False,
         batch_tokens: int = 0,
+        boundaries: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs and entropies `[B, C]` of the completions, without autograd.
 
         Zero where `completion_mask` is zero, as TRL's fused LM head returns them. Entropies are `None` when the
-        model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`.
+        model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`;
+        pass `boundaries=True` when that backward is exact, so that the state can be reused.
         With `batch_tokens > 0`, the branches of one prompt run in batches of at most that many (padded) tokens
         against its state, a single longer branch alone (old-policy and reference log-probs); with 0 each branch
         runs alone, exactly as `backward` replays it, so the loss pass sees the same values in both.
         """
         with fsdp2_gathered(self.model):
-            return self._score(prompt_ids, prompt_mask, completion_ids, completion_mask, keep_last, batch_tokens)
+            prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
+            return self._score(*prompt, *completion, keep_last, batch_tokens, boundaries)
 
-    def _score(self, prompt_ids, prompt_mask, completion_ids, completion_mask, keep_last, batch_tokens):
+    def _score(self, prompt_ids, prompt_mask, completion_ids, completion_mask, keep_last, batch_tokens, boundaries):
         lengths = completion_lengths(completion_mask)
         logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
         entropies = torch.zeros_like(logps)
         has_entropy = True
         groups = group_prompts(prompt_ids, prompt_mask)
         for group, rows in self._schedule(groups, [[r for r in g.rows if lengths[r] > 0] for g in groups], lengths):
-            state = self.prefill(group, keep=keep_last)
+            state = self.prefill(group, keep=keep_last, boundaries=boundaries)
             t0 = time.perf_counter()
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), torch.no_grad(), use_pass(p):
@@ -476,7 +494,7 @@ class Engine:
         if self._kept is not None:
             schedule.sort(key=lambda item: (item[0].pad, item[0].tokens.cpu().numpy().tobytes()) != self._kept[0])
         for group, rows in schedule:
-            state = self.prefill(group, keep=True, reuse=True)
+            state = self.prefill(group, keep=True, reuse=True, boundaries=exact)
             if exact:
                 state.requires_grad_()
             t0 = time.perf_counter()

@@ -76,12 +76,36 @@ TINY_FAMILY_OVERRIDES = {
         router_aux_loss_coef=0.0,
     ),
 }
+# Tiny Qwen3.5 hybrid: DeltaNet layers around a gated-attention layer, grouped value heads (3 per key head, as in
+# Qwen3.6-27B) and partial mRoPE (8 of 16 dims rotate: 4 frequencies split 2/1/1 between the t/h/w streams).
+QWEN3_5_TINY = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [2, 1, 1],
+    },
+)
 
 
 def tiny_config(family: str, vocab_size: int, **overrides):
-    """A transformers config of a tiny random model of `family` (`llama`, `qwen3`, ...)."""
+    """A transformers config of a tiny random model of `family` (`llama`, `qwen3`, `qwen3_5`, ...).
+
+    `qwen3_5` builds the text config (`qwen3_5_text`), which is what `Qwen3_5ForCausalLM` runs on.
+    """
     from transformers import AutoConfig
 
+    if family == "qwen3_5":
+        family = "qwen3_5_text"
+        overrides = {**QWEN3_5_TINY, **overrides}
     base = dict(
         vocab_size=vocab_size,
         hidden_size=32,
@@ -110,6 +134,8 @@ def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0, **ov
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if config.model_type == "glm_moe_dsa":
         spread_indexer_weights(model)
+    if config.model_type == "qwen3_5_text":
+        _slow_decays(model)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
@@ -128,6 +154,21 @@ def spread_indexer_weights(model, std: float = INDEXER_STD) -> None:
         for name, param in model.named_parameters():
             if ".indexer." in name and name.endswith((".wq_b.weight", ".wk.weight", ".weights_proj.weight")):
                 param.normal_(0.0, std)
+
+
+def _slow_decays(model) -> None:
+    """Makes the DeltaNet layers of a tiny Qwen3.5 remember for tens of tokens.
+
+    The stock init draws the decay rate `A` from [0.01, 16], so most heads forget within a token or two and a test
+    could not tell whether the recurrent state (and its gradient) crosses chunk boundaries. Rates in [0.01, 0.3] keep
+    a per-token decay of 0.7 to 0.99.
+    """
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Qwen3_5GatedDeltaNet):
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 0.3).log())
 
 
 def random_micro_batch(

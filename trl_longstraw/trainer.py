@@ -346,8 +346,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         completion = (inputs["completion_ids"], inputs["completion_mask"])
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        exact = self.args.prompt_gradient == "exact"
         with torch.no_grad():
-            logps, entropies = engine.score(*prompt, *completion, keep_last=True)
+            logps, entropies = engine.score(*prompt, *completion, keep_last=True, boundaries=exact)
         wrt = [logps.requires_grad_()] + ([entropies.requires_grad_()] if entropies is not None else [])
         self._precomputed = (logps, entropies)
         metrics_before = {key: len(values) for key, values in self._metrics["train"].items()}
@@ -395,7 +396,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             *completion,
             grad_logps,
             grad_entropies,
-            exact=self.args.prompt_gradient == "exact",
+            exact=exact,
             backward_fn=self.accelerator.backward,
         )
         self._log_engine_stats(engine)

@@ -1,0 +1,288 @@
+"""Adapter for the Qwen3.5 / Qwen3.6 hybrid models (transformers `qwen3_5`, e.g. Qwen3.6-27B), text only.
+
+The decoder interleaves two token mixers:
+
+- *Gated attention* layers (`Qwen3_5Attention`): q/k RMS norms, partial (m)RoPE, then the attention function
+  registered under `config._attn_implementation`, then a sigmoid output gate. The norms, RoPE and gate run outside the
+  attention function, so the generic `longstraw_attention` of `kv.py` serves them unchanged: record `(keys, values)`
+  `[1, Hkv, n, D]` per chunk.
+- *Gated DeltaNet* layers (`Qwen3_5GatedDeltaNet`): a depthwise causal conv over `[q | k | v]`, then the gated delta
+  rule, a linear recurrence over a `[Hv, Dk, Dv]` fp32 state. Later tokens need only the last `kernel - 1` conv inputs
+  and the recurrent state at the end of the prefix, so the record of a chunk is `(conv_tail, state)`,
+  `[1, C, kernel - 1]` and `[1, Hv, Dk, Dv]` fp32, and it supersedes the records of earlier chunks: detached mode keeps
+  one per layer. Exact mode keeps one per chunk boundary (`PromptState.boundaries`), since the reverse pass restarts
+  every chunk from the state at its start.
+
+While the engine runs, the DeltaNet modules' `forward` is replaced by `_gated_deltanet_forward`, which starts from the
+last visible record (zero history and zero state if none), never writes a tensor in place (the stock cache's
+`update_recurrent_state` does, which breaks backward), and emits its end-of-chunk record. The gradient flows into the
+initial conv tail and state, which are leaves in exact mode.
+
+Positions: the engine passes `[1, n]` position ids; `Qwen3_5TextModel` broadcasts 2D ids to its 3 mRoPE streams and
+the text stream exactly as it does for its own default `arange`, so text positions and rotary angles equal stock's.
+
+Cost: stock's torch fallback of the chunked delta rule writes each chunk's output in place into one buffer and slices
+its inputs chunk by chunk; autograd turns both into full-size buffers per chunk, so its backward grows quadratically
+with the length of the forward. `torch_gated_delta_rule` below is the same algorithm with `unbind`/`stack`, whose
+backward is linear, so the cost of exact mode is linear in the prompt length for any chunk size. On CUDA with bf16 or
+fp16 inputs the flash-linear-attention kernel is used when `fla` is installed (it rejects fp32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.integrations.accelerate import force_accelerate_hooks
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5GatedDeltaNet,
+    Qwen3_5TextModel,
+    apply_mask_to_padding_states,
+    l2norm,
+)
+
+from .engine import active_pass
+from .kv import attention_switched
+
+try:  # flash-linear-attention (CUDA, Triton)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+except ImportError:  # CPU installs, or GPU installs without fla: the torch path below
+    fla_chunk_gated_delta_rule = None
+
+# Positions per block of the chunked delta rule; stock uses 64 too.
+DELTA_RULE_BLOCK = 64
+
+
+def torch_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    block: int = DELTA_RULE_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule, chunked along the sequence as in stock `torch_chunk_gated_delta_rule`, in fp32.
+
+    Same mathematics and operation order as stock (q/k L2-normalised in the kernel), but the scan over blocks reads
+    its inputs through `unbind` and collects outputs with `stack`, so that its backward is linear in the length.
+
+    Args:
+        query, key: `[B, T, Hk, Dk]`.
+        value: `[B, T, Hv, Dv]`, `Hv` a multiple of `Hk` (each key head serves `Hv / Hk` consecutive value heads).
+        g: `[B, T, Hv]` log-decay (<= 0).
+        beta: `[B, T, Hv]` write strength.
+        initial_state: `[B, Hv, Dk, Dv]`, or None for zeros. Receives a gradient when it requires one.
+
+    Returns:
+        The output `[B, T, Hv, Dv]` in the dtype of `query`, and the final state `[B, Hv, Dk, Dv]` in fp32.
+    """
+    out_dtype = query.dtype
+    batch, length, k_heads, k_dim = key.shape
+    v_heads, v_dim = value.shape[-2:]
+    if v_heads != k_heads:
+        query = query.repeat_interleave(v_heads // k_heads, dim=2)
+        key = key.repeat_interleave(v_heads // k_heads, dim=2)
+    # [B, H, T, ...] fp32
+    query, key, value, beta, g = (
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for x in (query, key, value, beta, g)
+    )
+    query = l2norm(query, dim=-1, eps=1e-6)
+    key = l2norm(key, dim=-1, eps=1e-6)
+    query = query * k_dim**-0.5
+
+    # Zero padding to whole blocks: k = 0 and g = 0 leave the state unchanged.
+    pad = (block - length % block) % block
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+    # [B, H, N, block, ...]
+    query, key, k_beta, v_beta = (
+        x.reshape(batch, v_heads, -1, block, x.shape[-1]) for x in (query, key, k_beta, v_beta)
+    )
+    g = g.reshape(batch, v_heads, -1, block)
+
+    upper = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
+    cum = g.cumsum(dim=3)
+    pairwise = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    # Within a block: the UT transform turns the sequential delta updates into triangular solves.
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    intra = (query @ key.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(
+        ut_system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    query = query * cum.exp().unsqueeze(-1)
+    key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    block_decay = cum[..., -1].exp()[..., None, None]
+
+    if initial_state is None:
+        state = torch.zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=query.device)
+    else:
+        state = initial_state.to(torch.float32)
+    outputs = []
+    # Across blocks: the sequential scan. `unbind` has one backward for all blocks, where indexing would have one
+    # full-size gradient buffer per block.
+    for q_i, k_i, a_i, u_i, w_i, d_i in zip(
+        *(x.unbind(2) for x in (query, key, intra, new_values, k_cumdecay, block_decay)), strict=True
+    ):
+        v_new = u_i - w_i @ state
+        outputs.append(q_i @ state + a_i @ v_new)
+        state = state * d_i + k_i.transpose(-1, -2) @ v_new
+    out = torch.stack(outputs, dim=2).reshape(batch, v_heads, -1, v_dim)[:, :, :length]
+    return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), state
+
+
+def gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch_gated_delta_rule`, or the flash-linear-attention kernel for bf16/fp16 CUDA inputs when installed.
+
+    Shapes as in `torch_gated_delta_rule`; the final state is fp32 `[B, Hv, Dk, Dv]`.
+    """
+    if fla_chunk_gated_delta_rule is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        v_heads = value.shape[-2]
+        if key.shape[-2] != v_heads:
+            # Older fla releases need as many q/k heads as v heads.
+            query = query.repeat_interleave(v_heads // key.shape[-2], dim=2)
+            key = key.repeat_interleave(v_heads // key.shape[-2], dim=2)
+        out, state = fla_chunk_gated_delta_rule(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=None if initial_state is None else initial_state.to(torch.float32),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        return out, state.to(torch.float32)
+    return torch_gated_delta_rule(query, key, value, g, beta, initial_state)
+
+
+@force_accelerate_hooks("conv1d")
+def _gated_deltanet_forward(
+    self: Qwen3_5GatedDeltaNet,
+    hidden_states: torch.Tensor,
+    cache_params=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """`Qwen3_5GatedDeltaNet.forward` over the active pass: `hidden_states` `[1, n, hidden]` -> `[1, n, hidden]`.
+
+    Starts from the last visible record of this layer and emits `(conv_tail [1, C, kernel-1], state [1, Hv, Dk, Dv])`
+    at the end of the chunk. Writes nothing in place.
+    """
+    if cache_params is not None:
+        raise ValueError("trl_longstraw runs Qwen3.5 without a cache: call the model with use_cache=False")
+    if kwargs.get("cu_seq_lens_q") is not None:
+        raise ValueError("packed sequences (cu_seq_lens_q) are not supported by trl_longstraw: pass one row per call")
+    hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
+    batch, length, _ = hidden_states.shape
+    p = active_pass()
+    records = p.read(self.layer_idx)
+    width = self.conv_kernel_size - 1
+
+    mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)  # [B, C, n]
+    z = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
+    b = self.in_proj_b(hidden_states)
+    a = self.in_proj_a(hidden_states)
+
+    if records:
+        history, initial_state = records[-1]
+        history = history.to(mixed_qkv.dtype)
+    else:
+        # Stock pads the conv with zeros on the left and starts the recurrence from zeros.
+        history = mixed_qkv.new_zeros(batch, mixed_qkv.shape[1], width)
+        initial_state = None
+    window = torch.cat([history, mixed_qkv], dim=-1)  # [B, C, kernel - 1 + n]
+    weight = self.conv1d.weight  # [C, 1, kernel]
+    conv = F.conv1d(window.to(weight.dtype), weight, self.conv1d.bias, groups=weight.shape[0])
+    mixed_qkv = ACT2FN[self.activation](conv).to(window.dtype).transpose(1, 2)  # [B, n, C]
+
+    query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query = query.reshape(batch, length, -1, self.head_k_dim)
+    key = key.reshape(batch, length, -1, self.head_k_dim)
+    value = value.reshape(batch, length, -1, self.head_v_dim)
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+    core, state = gated_delta_rule(query, key, value, g, beta, initial_state)
+
+    # A copy, so that the record does not keep the whole chunk's conv input alive.
+    tail = window[:, :, window.shape[-1] - width :].clone()
+    p.emit(self.layer_idx, (tail, state), supersedes=True)
+
+    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(batch, length, -1))
+
+
+class Qwen3_5Adapter:
+    """Records: `(keys, values)` `[1, Hkv, n, D]` per gated-attention layer and chunk; `(conv_tail, state)`
+    `[1, C, kernel-1]`, `[1, Hv, Dk, Dv]` fp32 per Gated DeltaNet layer, superseding the earlier ones."""
+
+    # The gated-attention layers go through `sharding.attend` (kv.longstraw_attention); the DeltaNet records are
+    # replicated on every rank of a shard group (they do not grow with the prompt; see docs/distributed.md).
+    shards_prompt_state = True
+
+    def __init__(self, causal_lm: PreTrainedModel):
+        if not isinstance(causal_lm.base_model, Qwen3_5TextModel):
+            raise ValueError(
+                f"{type(causal_lm).__name__} is not supported by trl_longstraw, which trains Qwen3.5 text-only: load "
+                "the checkpoint with transformers.Qwen3_5ForCausalLM.from_pretrained(path) and pass it with its "
+                "tokenizer (processing_class=AutoTokenizer.from_pretrained(path))."
+            )
+        self.causal_lm = causal_lm
+        self.deltanets = [m for m in causal_lm.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Routes attention through `longstraw_attention` and DeltaNets through `_gated_deltanet_forward`."""
+        # An instance attribute shadows the class's forward. Under accelerate's device hooks the instance `forward` is
+        # the hook, which calls `_old_forward`: replace that one instead, so that the hook still runs.
+        names = ["_old_forward" if "_old_forward" in m.__dict__ else "forward" for m in self.deltanets]
+        previous = [m.__dict__.get(name) for m, name in zip(self.deltanets, names, strict=True)]
+        try:
+            for m, name in zip(self.deltanets, names, strict=True):
+                setattr(m, name, types.MethodType(_gated_deltanet_forward, m))
+            with attention_switched(self.causal_lm):
+                yield
+        finally:
+            for m, name, forward in zip(self.deltanets, names, previous, strict=True):
+                if forward is None:
+                    delattr(m, name)
+                else:
+                    setattr(m, name, forward)
+
+    @staticmethod
+    def state_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:
+        """`(bytes per prompt token, fixed bytes)` of the prompt state kept in detached mode.
+
+        Per token: keys and values of the gated-attention layers (`dtype_bytes` each). Fixed: per DeltaNet layer, the
+        conv tail (`kernel - 1` positions of the `2 Hk Dk + Hv Dv` conv channels, `dtype_bytes` each) and the fp32
+        recurrent state `Hv Dk Dv`. Exact mode keeps the fixed part once per prefill chunk. `config` may be the text
+        config or the composite `Qwen3_5Config`.
+        """
+        config = config.get_text_config()
+        full = sum(t == "full_attention" for t in config.layer_types[: config.num_hidden_layers])
+        linear = sum(t == "linear_attention" for t in config.layer_types[: config.num_hidden_layers])
+        if full + linear != config.num_hidden_layers:
+            raise ValueError(f"unknown layer types in {config.layer_types}: expected full_attention/linear_attention")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        per_token = full * 2 * config.num_key_value_heads * head_dim * dtype_bytes
+        conv_channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
+            config.linear_num_value_heads * config.linear_value_head_dim
+        )
+        tail = (config.linear_conv_kernel_dim - 1) * conv_channels * dtype_bytes
+        state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+        return per_token, linear * (tail + state)
