@@ -1,5 +1,8 @@
 """`prefix_merge_attention` against `reference_attention`: outputs and the gradients of queries, keys, values and
-every prefix chunk, in fp32 and bf16, with grouped-query heads, odd chunk sizes, key blocks that split chunks, T=1."""
+every prefix chunk, in fp32 and bf16, with grouped-query heads, odd chunk sizes, key blocks that split chunks, T=1.
+
+Both implementations are checked: the fused-kernel path (CPU flash kernel here; the CUDA one is checked by
+benchmarks/gpu_check.py on a GPU) and the portable einsum path, the latter also with key blocks of 3 keys."""
 
 import pytest
 import torch
@@ -7,6 +10,17 @@ from tolerances import ATTN_ATOL_BF16, ATTN_ATOL_FP32
 
 from trl_longstraw import attention
 from trl_longstraw.attention import prefix_merge_attention, reference_attention
+
+IMPLS = ["kernel", "portable", "portable-block3"]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request, monkeypatch):
+    """Selects the implementation; `portable-block3` splits prefix chunks and the causal self block at odd offsets."""
+    monkeypatch.setattr(attention, "USE_KERNELS", request.param == "kernel")
+    if request.param == "portable-block3":
+        monkeypatch.setattr(attention, "KEY_BLOCK", 3)
+    return request.param
 
 
 def make_inputs(
@@ -61,11 +75,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("key_block", [4096, 3], ids=["one-block", "block3"])
 @pytest.mark.parametrize("batch,q_heads,kv_heads,t,sizes", CASES)
-def test_matches_reference_fp32(monkeypatch, key_block, batch, q_heads, kv_heads, t, sizes):
-    # A key block of 3 splits the prefix chunks and the causal self block at odd offsets.
-    monkeypatch.setattr(attention, "KEY_BLOCK", key_block)
+def test_matches_reference_fp32(impl, batch, q_heads, kv_heads, t, sizes):
     q, k, v, prefix = make_inputs(batch, q_heads, kv_heads, t, sizes)
     grad_out = torch.randn(batch, q_heads, t, v.shape[-1])
     out, grads, _ = run(prefix_merge_attention, q, k, v, prefix, grad_out)
@@ -82,11 +93,9 @@ def test_matches_reference_fp32(monkeypatch, key_block, batch, q_heads, kv_heads
         assert_close(grad, ref_grad, ATTN_ATOL_FP32, f"grad {name}")
 
 
-@pytest.mark.parametrize("key_block", [4096, 3], ids=["one-block", "block3"])
 @pytest.mark.parametrize("batch,q_heads,kv_heads,t,sizes", CASES)
-def test_matches_reference_bf16(monkeypatch, key_block, batch, q_heads, kv_heads, t, sizes):
-    """bf16 inputs: ours (fp32 accumulation, one rounding) against the exact fp32 math on the same rounded inputs."""
-    monkeypatch.setattr(attention, "KEY_BLOCK", key_block)
+def test_matches_reference_bf16(impl, batch, q_heads, kv_heads, t, sizes):
+    """bf16 inputs: ours (fp32 accumulation) against the exact fp32 math on the same rounded inputs."""
     q, k, v, prefix = make_inputs(batch, q_heads, kv_heads, t, sizes, dtype=torch.bfloat16)
     grad_out = torch.randn(batch, q_heads, t, v.shape[-1]).to(torch.bfloat16)
     out, grads, _ = run(prefix_merge_attention, q, k, v, prefix, grad_out)
@@ -98,7 +107,7 @@ def test_matches_reference_bf16(monkeypatch, key_block, batch, q_heads, kv_heads
         assert_close(grad, ref_grad, ATTN_ATOL_BF16, f"grad #{i}")
 
 
-def test_value_dim_differs_from_key_dim():
+def test_value_dim_differs_from_key_dim(impl):
     # MLA-style heads: values narrower than queries/keys.
     q, k, v, prefix = make_inputs(1, 4, 2, 6, [4, 7], dim=12, v_dim=5)
     grad_out = torch.randn(1, 4, 6, 5)
@@ -110,7 +119,25 @@ def test_value_dim_differs_from_key_dim():
         assert_close(grad, ref_grad, ATTN_ATOL_FP32, "grad")
 
 
-def test_detached_prefix_gets_no_gradient_and_same_other_grads():
+def test_strided_inputs(impl):
+    """Inputs laid out as the model makes them: `[B, T, H, D]` memory viewed as `[B, H, T, D]`."""
+    q, k, v, prefix = make_inputs(1, 6, 2, 7, [5, 9])
+
+    def strided(x):
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    q, k, v = strided(q), strided(k), strided(v)
+    prefix = [(strided(pk), strided(pv)) for pk, pv in prefix]
+    assert not prefix[0][0].is_contiguous() and prefix[0][0].stride(-1) == 1
+    grad_out = torch.randn(1, 6, 7, 8)
+    out, grads, _ = run(prefix_merge_attention, q, k, v, prefix, grad_out)
+    ref, ref_grads, _ = run(reference_attention, q, k, v, prefix, grad_out)
+    assert_close(out, ref, ATTN_ATOL_FP32, "output")
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert_close(grad, ref_grad, ATTN_ATOL_FP32, "grad")
+
+
+def test_detached_prefix_gets_no_gradient_and_same_other_grads(impl):
     """Detached mode: prefix tensors without requires_grad get none; q, k, v grads are unchanged."""
     q, k, v, prefix = make_inputs(1, 4, 2, 5, [3, 8])
     grad_out = torch.randn(1, 4, 5, 8)
@@ -122,7 +149,7 @@ def test_detached_prefix_gets_no_gradient_and_same_other_grads():
         assert_close(grad, ref_grad, ATTN_ATOL_FP32, "grad")
 
 
-def test_mixed_prefix_grad():
+def test_mixed_prefix_grad(impl):
     """Only the chunk that requires grad gets one (the reverse pass reads earlier chunks as leaves)."""
     q, k, v, prefix = make_inputs(1, 4, 2, 4, [3, 6])
     q.requires_grad_()
@@ -148,7 +175,7 @@ def test_gradcheck_fp64(monkeypatch):
     assert torch.autograd.gradcheck(fn, flat)
 
 
-def test_no_prefix_copy_saved_for_backward():
+def test_no_prefix_copy_saved_for_backward(impl):
     """The autograd graph saves the prefix tensors themselves, not a concatenated or head-repeated copy."""
     q, k, v, prefix = make_inputs(1, 8, 2, 4, [64, 64])
     prefix = [tuple(x.requires_grad_() for x in kv) for kv in prefix]
@@ -159,6 +186,24 @@ def test_no_prefix_copy_saved_for_backward():
     prefix_ptrs = {x.data_ptr() for kv in prefix for x in kv}
     big = [x for x in saved if x.numel() >= 64 * 8 and x.data_ptr() not in prefix_ptrs]
     assert not big, f"tensors of prefix size saved besides the prefix itself: {[tuple(x.shape) for x in big]}"
+
+
+@pytest.mark.parametrize(
+    "dtype,v_dim,use_kernels,expected",
+    [
+        (torch.float32, 8, True, "_KernelPrefixMergeAttention"),
+        (torch.bfloat16, 8, True, "_KernelPrefixMergeAttention"),
+        (torch.float64, 8, True, "_PrefixMergeAttention"),
+        (torch.float32, 5, True, "_PrefixMergeAttention"),
+        (torch.float32, 8, False, "_PrefixMergeAttention"),
+    ],
+)
+def test_dispatch(monkeypatch, dtype, v_dim, use_kernels, expected):
+    """The kernel path runs where it applies on CPU, the portable one elsewhere."""
+    monkeypatch.setattr(attention, "USE_KERNELS", use_kernels)
+    q, k, v, prefix = make_inputs(1, 4, 2, 3, [2], v_dim=v_dim, dtype=dtype)
+    out = prefix_merge_attention(q.requires_grad_(), k, v, prefix, 0.5)
+    assert type(out.grad_fn).__name__ == expected + "Backward"
 
 
 def test_rejects_heads_not_multiple():
