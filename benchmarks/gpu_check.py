@@ -398,6 +398,7 @@ def build_model(family: str, widths: dict, device: str, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if family == "qwen3_5":
+        # The text-only causal LM (model_type qwen3_5_text), as the slice has no vision tower.
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
         config = Qwen3_5TextConfig(**widths, pad_token_id=0, eos_token_id=1, bos_token_id=None)
@@ -406,9 +407,11 @@ def build_model(family: str, widths: dict, device: str, dtype):
         config = AutoConfig.for_model(family, **widths, pad_token_id=0, eos_token_id=1, bos_token_id=None)
         cls = AutoModelForCausalLM
     torch.manual_seed(0)
+    # Weights are created and initialised on the device, directly in `dtype`.
     with torch.device(device):
-        model = cls.from_config(config, dtype=dtype) if cls is AutoModelForCausalLM else cls(config).to(dtype)
-    return model
+        if cls is AutoModelForCausalLM:
+            return cls.from_config(config, dtype=dtype)
+        return cls._from_config(config, dtype=dtype)
 
 
 def planner_available() -> bool:
@@ -417,30 +420,36 @@ def planner_available() -> bool:
     return importlib.util.find_spec("trl_longstraw.plan") is not None
 
 
-def run_planner(config_dir: str, positions: int, mode: str, group: int, completion: int, gpu_gb: float) -> dict:
-    """`python -m trl_longstraw.plan ...` in this process (no second import of torch); stdout and exit code."""
-    argv = [
-        "trl_longstraw.plan",
-        "--model",
-        config_dir,
-        "--positions",
-        str(positions),
-        "--gpus",
-        "1",
-        "--gpu-memory",
-        f"{gpu_gb:.0f}GB",
-        "--mode",
-        mode,
-        "--group-size",
-        str(group),
-        "--completion-length",
-        str(completion),
-    ]
+def run_planner(config_dir: str, positions: int, mode: str, group: int, completion: int, chunk: int, gpu_gb: float):
+    """`python -m trl_longstraw.plan ...` for one GPU, run in this process (no second import of torch). Asks for
+    bf16 storage and no headroom, as this check runs (bf16 weights and gradients, no optimizer step); falls back to
+    the basic arguments if the planner does not know those. Returns its arguments, exit code, output and the parsed
+    budget (GiB per item)."""
+    basic = ["--model", config_dir, "--positions", str(positions), "--gpus", "1", "--gpu-memory", f"{gpu_gb:.0f}GB"]
+    basic += ["--mode", mode, "--group-size", str(group), "--completion-length", str(completion)]
+    extra = ["--prefill-chunk-size", str(chunk), "--precision", "bf16", "--headroom", "0"]
+    for argv in (basic + extra, basic):
+        code, text = _run_module("trl_longstraw.plan", argv)
+        if code != 2:  # 2: argparse refused an argument
+            break
+    budget = parse_budget(text)
+    out = dict(planner_args=" ".join(argv), planner_exit=code, planner_output=text[-4000:], planner_budget=budget)
+    if "peak" in budget:
+        out["planner_peak_gib"] = budget["peak"]
+        held = sum(budget.get(k, 0.0) for k in ("weights", "gradients", "optimizer state", "headroom"))
+        # What the step adds to the weights and gradients: comparable with the measured growth.
+        out["planner_growth_gib"] = budget["peak"] - held
+        out["planner_step_peak_gib"] = budget["peak"] - budget.get("optimizer state", 0.0) - budget.get("headroom", 0)
+    return out
+
+
+def _run_module(module: str, argv: list[str]) -> tuple[int, str]:
+    """`python -m module argv...` in this process: its exit code and its output."""
     buf, code, saved = io.StringIO(), 0, sys.argv
-    sys.argv = argv
+    sys.argv = [module, *argv]
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            runpy.run_module("trl_longstraw.plan", run_name="__main__")
+            runpy.run_module(module, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except Exception as e:
@@ -448,26 +457,20 @@ def run_planner(config_dir: str, positions: int, mode: str, group: int, completi
         code = -1
     finally:
         sys.argv = saved
-    text = buf.getvalue()
-    return dict(
-        planner_args=" ".join(argv[1:]),
-        planner_exit=code,
-        planner_output=text[-4000:],
-        planner_peak_gib=parse_peak(text),
-    )
+    return code, buf.getvalue()
 
 
-def parse_peak(text: str) -> float | None:
-    """Best effort: the number on the last line that names a total or peak in GiB/GB (the planner's format is its
-    own; the raw output is kept next to this number)."""
-    found = None
+UNITS = {"B": 1 / 2**30, "KiB": 1 / 2**20, "MiB": 1 / 2**10, "GiB": 1.0, "TiB": 2**10}
+
+
+def parse_budget(text: str) -> dict[str, float]:
+    """The planner's budget lines (`  name   12.34 GiB  detail`) as `{name: GiB}`, `peak` included."""
+    budget = {}
     for line in text.splitlines():
-        if re.search(r"total|peak|per gpu|per-gpu", line, re.I):
-            m = re.findall(r"([\d.]+)\s*(GiB|GB)", line)
-            if m:
-                value, unit = m[-1]
-                found = float(value) * (1.0 if unit == "GiB" else 1e9 / GIB)
-    return found
+        m = re.match(r"^  (\S.*?)\s{2,}([\d.]+) (B|KiB|MiB|GiB|TiB)\b", line)
+        if m:
+            budget[m.group(1).strip()] = float(m.group(2)) * UNITS[m.group(3)]
+    return budget
 
 
 class Step:
@@ -645,8 +648,11 @@ def stage_model(args, results: Results) -> None:
     if planner_available():
         for mode, r in largest.items():
             for p in (r["P"], 2**21):
-                pred = run_planner(str(config_dir), p, mode, 8, args.C, gpu_gb)
-                results.add(kind="planner", model=label, mode=mode, P=p, measured_peak_gib=r["peak_gib"], **pred)
+                pred = run_planner(str(config_dir), p, mode, 8, args.C, args.chunk, gpu_gb)
+                measured = dict(
+                    measured_P=r["P"], measured_peak_gib=r["peak_gib"], measured_growth_gib=r["growth_gib"]
+                )
+                results.add(kind="planner", model=label, mode=mode, P=p, **measured, **pred)
     else:
         results.add(kind="planner", model=label, status="trl_longstraw.plan not in this checkout")
 
@@ -737,10 +743,16 @@ def summary_model(records: list[dict], label: str) -> list[str]:
         if "planner_exit" not in r:
             md.append(f"- planner: {r.get('status')}")
             continue
+        same = r["P"] == r["measured_P"]
         md.append(
-            f"- planner `{r['planner_args']}`: exit {r['planner_exit']}, predicted peak "
-            f"{fmt(r.get('planner_peak_gib'), '.2f')} GiB (parsed; raw output in gpu_results.jsonl); measured peak "
-            f"at the largest P of this mode: {r['measured_peak_gib']:.2f} GiB"
+            f"- planner, {r['mode']}, P={r['P']:,} (`{r['planner_args']}`, exit {r['planner_exit']}): peak "
+            f"{fmt(r.get('planner_step_peak_gib'), '.2f')} GiB without optimizer state, of which "
+            f"{fmt(r.get('planner_growth_gib'), '.2f')} GiB beyond weights and gradients"
+            + (
+                f"; measured: peak {r['measured_peak_gib']:.2f} GiB, growth {r['measured_growth_gib']:.2f} GiB"
+                if same
+                else f" (prediction only; largest measured P {r['measured_P']:,})"
+            )
         )
     return md
 

@@ -53,11 +53,18 @@ def test_budget_estimate_counts_oom_as_failing():
     assert est["fits"] == 2048 and est["fails"] == 4096 and "P" not in est
 
 
-def test_parse_planner_peak():
-    text = "parameters 10.0 GiB\nretained state 3 GiB\ntotal per GPU: 51.25 GiB\nfits: yes\n"
-    assert gpu_check.parse_peak(text) == 51.25
-    assert abs(gpu_check.parse_peak("Peak 2 GB") - 2e9 / 2**30) < 1e-9
-    assert gpu_check.parse_peak("no numbers here") is None
+def test_parse_planner_budget():
+    text = (
+        "per-GPU budget at the peak of a step:\n"
+        "  weights                 100.20 GiB  26.90B trainable x 4 B\n"
+        "  branch graph            146.55 MiB  128 tokens x 1.14 MiB\n"
+        "  scores                   16.00 KiB  log-probs\n"
+        "  peak                    815.37 GiB  (only the larger counts)\n"
+        "to fit:\n"
+        "  - prompt_gradient='detached' (biased gradient): peak 537.74 GiB (does not fit)\n"
+    )
+    budget = gpu_check.parse_budget(text)
+    assert budget == {"weights": 100.20, "branch graph": 146.55 / 1024, "scores": 16.0 / 2**20, "peak": 815.37}
 
 
 def _env():
