@@ -8,14 +8,22 @@ they require grad (exact mode), the prefix keys and values.
 
 Grouped-query attention is handled by folding the `g = Hq / Hkv` query heads that share a key head into the query
 axis: `[B, Hq, T, D] -> [B, Hkv, g, T, D]`.
+
+Two implementations of the same math: where PyTorch has a fused attention kernel that returns the log-sum-exp (the
+CPU flash kernel; FlashAttention-2 on CUDA for fp16/bf16 with equal key and value widths up to 256), each part runs
+through that kernel and its backward is the kernel's backward fed with the *merged* output and log-sum-exp, which
+gives exactly the part's share of the gradients. Elsewhere (fp64, other devices, value width != key width, or
+`USE_KERNELS = False`) the portable path scores blocks of `KEY_BLOCK` keys with einsum in fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Keys scored at once. Bounds the `[B, Hq, T, KEY_BLOCK]` fp32 score tile that lives during the forward and backward.
+# Keys scored at once by the portable path. Bounds its `[B, Hq, T, KEY_BLOCK]` fp32 score tile.
 KEY_BLOCK = 4096
+# Use the fused kernels where `_kernel_for` finds one; False forces the portable path (tests compare the two).
+USE_KERNELS = True
 
 
 def _blocks(keys: torch.Tensor, values: torch.Tensor):
@@ -109,6 +117,123 @@ class _PrefixMergeAttention(torch.autograd.Function):
         return None, dq.view(q.shape).to(q.dtype), dk, dv, *prefix_grads
 
 
+def _kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """The fused kernel family for these inputs (`"cpu"` or `"cuda_flash"`), or None for the portable path."""
+    if not USE_KERNELS or key.shape[-1] != value.shape[-1]:
+        return None
+    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16):
+        return "cpu"
+    if (
+        query.device.type == "cuda"
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] <= 256
+        and query.shape[-1] % 8 == 0
+    ):
+        return "cuda_flash"
+    return None
+
+
+def _dense_last(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself when its last dim is dense, as the kernels need, else a copy. Records are usually transposed views
+    (`[B, T, H, D] -> [B, H, T, D]`) with a dense last dim, so the prefix is not copied per call."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _kernel_forward(kind: str, q, k, v, causal: bool, scale: float):
+    """One part through the fused kernel: `(out [B, H, T, D] in q's dtype, lse [B, H, T] fp32, extra)`, where
+    `extra` is what the kernel's backward needs besides the inputs, output and lse."""
+    if kind == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return out, lse[..., : q.shape[2]], (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _kernel_backward(kind: str, dout, q, k, v, out, lse, causal: bool, scale: float, extra):
+    """`(dq, dk, dv)` of one part, given the merged `out` and `lse` of the whole attention."""
+    if kind == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    cum_q, cum_k, max_q, max_k, seed, offset = extra
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+    )[:3]
+
+
+class _KernelPrefixMergeAttention(torch.autograd.Function):
+    """The same attention as `_PrefixMergeAttention`, each part computed by a fused kernel that returns its lse.
+
+    Prefix parts see every key, so the `g` query heads of a key head are folded into the query axis
+    (`[B, Hkv, g * T, D]`) and the prefix is never repeated. The causal self part cannot be folded (the mask follows
+    the row index), so its own `T` keys and values are repeated to `Hq` heads: `[B, Hq, T, D]`, the size of `q`.
+    """
+
+    @staticmethod
+    def forward(ctx, kind: str, scale: float, q, k, v, *prefix):
+        b, hq, t, d = q.shape
+        hkv = k.shape[1]
+        g = hq // hkv
+        q = q.contiguous()
+        qf = q.view(b, hkv, g * t, d)
+        out = torch.zeros(b, hq, t, v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full((b, hq, t), float("-inf"), dtype=torch.float32, device=q.device)
+        extras = []
+
+        def merge(part_out, part_lse):
+            new_lse = torch.logaddexp(lse, part_lse)
+            out.mul_(torch.exp(lse - new_lse)[..., None]).add_(part_out * torch.exp(part_lse - new_lse)[..., None])
+            lse.copy_(new_lse)
+
+        for pk, pv in zip(prefix[0::2], prefix[1::2], strict=True):
+            if pk.shape[2] == 0:
+                extras.append(None)
+                continue
+            part_out, part_lse, extra = _kernel_forward(kind, qf, _dense_last(pk), _dense_last(pv), False, scale)
+            merge(part_out.reshape(b, hq, t, -1).float(), part_lse.reshape(b, hq, t))
+            extras.append(extra)
+        ke, ve = (x.repeat_interleave(g, dim=1) for x in (k, v))
+        part_out, part_lse, extra = _kernel_forward(kind, q, ke, ve, True, scale)
+        merge(part_out.float(), part_lse)
+        extras.append(extra)
+        out = out.to(q.dtype)
+        ctx.kind, ctx.scale, ctx.extras = kind, scale, extras
+        ctx.save_for_backward(q, k, v, out, lse, *prefix)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, *prefix = ctx.saved_tensors
+        kind, scale = ctx.kind, ctx.scale
+        b, hq, t, d = q.shape
+        hkv = k.shape[1]
+        g = hq // hkv
+        dout = grad_out.contiguous().to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        folded = (q.view(b, hkv, g * t, d), dout.view(b, hkv, g * t, -1), out.view(b, hkv, g * t, -1))
+        lse_f = lse.view(b, hkv, g * t)
+        prefix_grads = []
+        for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
+            need = ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i]
+            if pk.shape[2] == 0:
+                prefix_grads += [torch.zeros_like(pk), torch.zeros_like(pv)] if need else [None, None]
+                continue
+            qf, dof, of = folded
+            dqf, dpk, dpv = _kernel_backward(
+                kind, dof, qf, _dense_last(pk), _dense_last(pv), of, lse_f, False, scale, ctx.extras[i]
+            )
+            dq += dqf.reshape(q.shape)
+            prefix_grads += [dpk.to(pk.dtype), dpv.to(pv.dtype)] if need else [None, None]
+        ke, ve = (x.repeat_interleave(g, dim=1) for x in (k, v))
+        dq_self, dke, dve = _kernel_backward(kind, dout, q, ke, ve, out, lse, True, scale, ctx.extras[-1])
+        dq += dq_self
+        dk = dke.reshape(b, hkv, g, t, -1).sum(2, dtype=torch.float32).to(k.dtype)
+        dv = dve.reshape(b, hkv, g, t, -1).sum(2, dtype=torch.float32).to(v.dtype)
+        return None, None, dq.to(q.dtype), dk, dv, *prefix_grads
+
+
 def prefix_merge_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -130,6 +255,9 @@ def prefix_merge_attention(
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key heads ({key.shape[1]})")
     flat = [x for kv in prefix for x in kv]
+    kind = _kernel_for(query, key, value)
+    if kind is not None:
+        return _KernelPrefixMergeAttention.apply(kind, scale, query, key, value, *flat)
     return _PrefixMergeAttention.apply(scale, query, key, value, *flat)
 
 

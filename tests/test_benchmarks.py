@@ -1,0 +1,133 @@
+"""The benchmark scripts: their pure helpers, and (slow) a tiny run of each end to end on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_step  # noqa: E402
+import gpu_check  # noqa: E402
+
+
+def test_completion_lengths():
+    assert bench_step.completion_lengths(4, 128, "full") == [128] * 4
+    ragged = bench_step.completion_lengths(8, 128, "ragged")
+    assert len(ragged) == 8 and max(ragged) == 128 and min(ragged) >= 64 and len(set(ragged)) == 8
+    assert bench_step.completion_lengths(1, 5, "ragged") == [5]
+
+
+def test_parse_sizes():
+    assert bench_step.parse_sizes("2K, 8K,300,") == [2048, 8192, 300]
+
+
+def record(impl, p, growth, status="ok"):
+    return dict(family="f", impl=impl, P=p, G=8, chunk=4096, completions="ragged", status=status, growth_bytes=growth)
+
+
+def test_budget_estimate_interpolates_power_law_between_bracketing_runs():
+    # growth = 3 * P^2: the budget 3 * 3000^2 lies between the runs at 2048 and 4096.
+    runs = [record("stock", p, 3 * p**2) for p in (1024, 2048, 4096)] + [record("stock", 8192, None, "OOM")]
+    est = bench_step.budget_estimate(runs, "f", "stock", 8, 4096, "ragged", 3 * 3000**2)
+    assert est["fits"] == 2048 and est["fails"] == 4096
+    assert abs(est["P"] - 3000) <= 1
+    assert "interpolated" in est["kind"]
+
+
+def test_budget_estimate_extrapolates_affine_growth():
+    runs = [record("exact", p, 10_000_000 + 500 * p) for p in (2048, 8192, 32768)]
+    est = bench_step.budget_estimate(runs, "f", "exact", 8, 4096, "ragged", 10_000_000 + 500 * 1_000_000)
+    assert est["fits"] == 32768 and est["fails"] is None
+    assert abs(est["P"] - 1_000_000) <= 1 and est["slope"] == 500
+    assert "not measured" in est["kind"]
+
+
+def test_budget_estimate_counts_oom_as_failing():
+    runs = [record("stock", 2048, 100), record("stock", 4096, None, "OOM")]
+    est = bench_step.budget_estimate(runs, "f", "stock", 8, 4096, "ragged", 1000)
+    assert est["fits"] == 2048 and est["fails"] == 4096 and "P" not in est
+
+
+def test_parse_planner_budget():
+    text = (
+        "per-GPU budget at the peak of a step:\n"
+        "  weights                 100.20 GiB  26.90B trainable x 4 B\n"
+        "  branch graph            146.55 MiB  128 tokens x 1.14 MiB\n"
+        "  scores                   16.00 KiB  log-probs\n"
+        "  peak                    815.37 GiB  (only the larger counts)\n"
+        "to fit:\n"
+        "  - prompt_gradient='detached' (biased gradient): peak 537.74 GiB (does not fit)\n"
+    )
+    budget = gpu_check.parse_budget(text)
+    assert budget == {"weights": 100.20, "branch graph": 146.55 / 1024, "scores": 16.0 / 2**20, "peak": 815.37}
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.mark.slow
+def test_bench_step_tiny_sweep(tmp_path):
+    """A tiny sweep writes a table with every configuration measured, the raw JSON and a plot."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--family", "llama", "--stock-P", "256"]
+    cmd += ["--ours-P", "256,512", "--G-list", "2", "--p-sweep-G", "2", "--g-sweep-P", "256", "--C", "16"]
+    cmd += ["--no-extra-full", "--search", "none", "--timeout", "240", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raw = json.loads((tmp_path / "results.json").read_text())
+    assert {(r["impl"], r["P"]) for r in raw["records"]} == {("stock", 256), ("exact", 256), ("exact", 512)} | {
+        ("detached", 256),
+        ("detached", 512),
+    }
+    assert all(r["status"] == "ok" and r["growth_bytes"] > 0 and r["cpu_s"] > 0 for r in raw["records"]), raw
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "| 256 | 2 |" in text and "must-show" in text
+    assert (tmp_path / "plots" / "llama.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
+    """benchmarks/gpu_check.sh end to end with tiny widths on CPU: every stage records its figures."""
+    env = {
+        **_env(),
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+        "GPU_CHECK_NO_WHEELS": "1",
+        "GPU_CHECK_TOTAL_S": "400",
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", "cpu", "--tiny"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "gpu_results.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in records}
+    assert not {"error", "stage_timeout"} & kinds, [r for r in records if r["kind"] in ("error", "stage_timeout")]
+    checks = [r for r in records if r["kind"] == "attention_check"]
+    assert {r["path"] for r in checks} == {"kernel", "portable"} and all(r["ok"] for r in checks), checks
+    assert next(r for r in records if r["kind"] == "e2e_check")["ok"]
+
+    from trl_longstraw.adapters import ADAPTERS
+
+    for model in gpu_check.SLICES:
+        label = f"{model}-tiny"
+        if gpu_check.adapter_key(model) is None:
+            assert any(r["kind"] == "model_missing" and r["model"] == label for r in records)
+            continue
+        steps = [r for r in records if r["kind"] == "step" and r["model"] == label]
+        for mode in ("detached", "exact"):
+            done = [r for r in steps if r["mode"] == mode and r["phase"] == "search" and r["status"] == "ok"]
+            assert [r["P"] for r in done] == [256, 512, 1024], (label, mode, steps)
+        assert any(r["kind"] == "group_compare" and r["model"] == label for r in records)
+    assert "llama" in ADAPTERS
+    report = (tmp_path / "gpu_results.md").read_text()
+    assert "## llama-tiny" in report and "largest prompt positions per step measured: 1,024" in report
