@@ -15,7 +15,9 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 rm -rf .whl
 mkdir -p .whl
-PKGS=(trl==1.16.0 transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 peft==0.21.2 regex==2026.11.19)
+# tokenizers and safetensors too: transformers 5.23 refuses to import beside older ones.
+PKGS=(trl==1.16.0 transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 peft==0.21.2 regex==2026.11.19
+    tokenizers==0.23.3 safetensors==0.8.0)
 if [ "${WITH_PYARROW:-0}" = 1 ]; then PKGS+=(pyarrow==26.0.1); fi
 if [ "${WITH_FLA:-0}" = 1 ]; then PKGS+=(fla-core==0.6.0 flash-linear-attention==0.6.0); fi
 "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
