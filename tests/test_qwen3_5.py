@@ -226,16 +226,22 @@ def test_accelerate_hooks_still_run(fused_model):
 
 
 def test_replay_does_not_write_the_prompt_state(fused_model):
-    """Scoring branches (and a second scoring pass reusing the kept state) leaves every record bit-identical."""
+    """Replaying branches with autograd against the state the scoring pass kept leaves every record bit-identical."""
     engine = Engine(fused_model, fused_model, get_adapter(fused_model), chunk_size=CHUNK)
     mb = random_micro_batch([13], [9, 1, 4], [0, 0, 0], VOCAB, seed=3)
     args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
     with torch.no_grad():
         engine.score(*args, keep_last=True)
-        state = engine._kept[1]
-        before = [t.clone() for t in state.tensors()]
-        engine.score(*args, keep_last=True)
-    assert engine._kept[1] is state
+    state = engine._kept[1]
+    before = [t.clone() for t in state.tensors()]
+    seen = []
+
+    def backward(loss):
+        seen.append(engine._kept[1])
+        loss.backward()
+
+    engine.backward(*args, torch.ones(mb["completion_ids"].shape), None, False, backward)
+    assert len(seen) == 3 and all(kept is state for kept in seen)
     after = list(state.tensors())
     assert len(after) == 2 * 3 + 2 * 3  # attention: (k, v) x 3 chunks; 3 DeltaNets: (tail, state) of the last chunk
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
