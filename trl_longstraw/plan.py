@@ -504,19 +504,31 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     tokens = state_tokens(u.positions)
     chunks = -(-tokens // u.prefill_chunk_size)
     copies = chunks if exact else 1
-    state = tokens * s.state_per_token + copies * s.state_fixed
     state_parts = u.gpus if u.shard_prompt_state else 1
+    # Per-token records (attention K/V, MLA latents) are split over the shard group; the fixed recurrent records
+    # (Gated DeltaNet) are replicated on every rank (see docs/distributed.md).
+    per_token = share(tokens * s.state_per_token, state_parts)
     detail = f"{tokens:,} tokens x {_size(s.state_per_token)}"
+    if state_parts > 1:
+        detail += f" sharded /{state_parts}"
     if s.state_fixed:
         detail += f" + {copies:,} x {_size(s.state_fixed)} fixed" + (" (one per chunk boundary)" if exact else "")
-    if state_parts > 1:
-        detail += f", sharded /{state_parts}"
-    items.append(Item("prompt state", share(state, state_parts), detail))
+        if state_parts > 1:
+            detail += ", replicated"
+    items.append(Item("prompt state", per_token + copies * s.state_fixed, detail))
+    # Every branch reads every per-token record, so their gradients accumulate over the whole prompt; a recurrent
+    # record's gradient lives only while the reverse pass crosses its chunk boundary (two at a time).
+    grad_fixed = min(copies, 2) * s.state_fixed
     items.append(
         Item(
             "prompt state gradient",
-            share(state, state_parts) if exact else 0,
-            "exact mode: one gradient per state record" if exact else "detached mode: none",
+            per_token + grad_fixed if exact else 0,
+            (
+                "exact mode: the per-token records' gradients"
+                + (f" + {min(copies, 2)} boundary state gradients in flight" if s.state_fixed else "")
+            )
+            if exact
+            else "detached mode: none",
         )
     )
     layer = ACTIVATION_MULTIPLE * s.layer_activation_elems * u.compute_bytes
