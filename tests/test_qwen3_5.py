@@ -24,6 +24,7 @@ from tests.helpers import assert_grads_close, make_trainer, run_steps
 from tests.tolerances import DELTA_RULE_ATOL, GRAD_RTOL, LOGP_ATOL, LOSS_ATOL
 from trl_longstraw.adapters import get_adapter
 from trl_longstraw.engine import Engine, Pass, PromptGroup, use_pass
+from trl_longstraw.plan import preset_config
 from trl_longstraw.qwen3_5 import Qwen3_5Adapter, torch_gated_delta_rule
 from trl_longstraw.reference import detached_prompt_logps, plain_token_logps
 from trl_longstraw.testing import build_tokenizer, random_micro_batch, tiny_config
@@ -269,21 +270,8 @@ def test_cache_is_rejected(fused_model):
 
 # ------------------------------------------------------------------------------------------------------ accounting
 def qwen3_6_27b_text_config() -> Qwen3_5TextConfig:
-    """The text config of Qwen3.6-27B (no weights): 64 layers, every 4th gated attention."""
-    return Qwen3_5TextConfig(
-        vocab_size=248320,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=64,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-    )
+    """The text config of Qwen3.6-27B (no weights): the planner's preset, 64 layers, every 4th gated attention."""
+    return preset_config("qwen3.6-27b")
 
 
 def test_state_bytes_real_shape():
