@@ -60,6 +60,29 @@ def _parts(k, v, prefix):
         yield bk, bv, start
 
 
+def block_grads(qf, keys, values, dout, delta, lse, scale: float, causal: bool, need_kv: bool, dq: torch.Tensor):
+    """Flash-attention backward of folded queries `qf` `[B, Hkv, g, T, D]` against one key/value part, given the
+    merged output's `delta = sum(dout * out)` and log-sum-exp `lse` `[B, Hkv, g, T]`.
+
+    Adds the part's share of the query gradient into `dq` and returns its key/value gradients `[B, Hkv, S, D]`
+    (None when not `need_kv`).
+    """
+    acc = dq.dtype
+    dks, dvs = [], []
+    for start, bk, bv in _blocks(keys, values):
+        s = _scores(qf, bk, scale, start if causal else None)
+        p = torch.exp(s - lse[..., None])
+        dp = torch.einsum("bhgtd,bhsd->bhgts", dout, bv.to(acc))
+        ds = p * (dp - delta[..., None]) * scale
+        dq.add_(torch.einsum("bhgts,bhsd->bhgtd", ds, bk.to(acc)))
+        if need_kv:
+            dvs.append(torch.einsum("bhgts,bhgtd->bhsd", p, dout))
+            dks.append(torch.einsum("bhgts,bhgtd->bhsd", ds, qf.to(acc)))
+    if not need_kv:
+        return None, None
+    return torch.cat(dks, dim=2).to(keys.dtype), torch.cat(dvs, dim=2).to(values.dtype)
+
+
 class _PrefixMergeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale: float, q, k, v, *prefix):
@@ -94,20 +117,7 @@ class _PrefixMergeAttention(torch.autograd.Function):
         dq = torch.zeros(qf.shape, dtype=acc, device=q.device)
 
         def part_grads(keys, values, causal: bool, need_kv: bool):
-            """Adds this part's share to dq; returns its key/value grads when `need_kv`."""
-            dks, dvs = [], []
-            for start, bk, bv in _blocks(keys, values):
-                s = _scores(qf, bk, scale, start if causal else None)
-                p = torch.exp(s - lse[..., None])
-                dp = torch.einsum("bhgtd,bhsd->bhgts", dout, bv.to(acc))
-                ds = p * (dp - delta[..., None]) * scale
-                dq.add_(torch.einsum("bhgts,bhsd->bhgtd", ds, bk.to(acc)))
-                if need_kv:
-                    dvs.append(torch.einsum("bhgts,bhgtd->bhsd", p, dout))
-                    dks.append(torch.einsum("bhgts,bhgtd->bhsd", ds, qf.to(acc)))
-            if not need_kv:
-                return None, None
-            return torch.cat(dks, dim=2).to(keys.dtype), torch.cat(dvs, dim=2).to(values.dtype)
+            return block_grads(qf, keys, values, dout, delta, lse, scale, causal, need_kv, dq)
 
         prefix_grads = []
         for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):

@@ -29,7 +29,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from .attention import _acc, _blocks, _scores, prefix_merge_attention
+from .attention import _acc, _blocks, _scores, block_grads, prefix_merge_attention
 
 
 class PromptShards:
@@ -221,19 +221,7 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         def grads(qf, keys, values, dout, delta, lse, causal: bool, need_kv: bool):
             """dq of folded queries `qf` against `keys`/`values`, and their grads when `need_kv`."""
             dq = torch.zeros(qf.shape, dtype=acc, device=qf.device)
-            dks, dvs = [], []
-            for start, bk, bv in _blocks(keys, values):
-                s = _scores(qf, bk, scale, start if causal else None)
-                p = torch.exp(s - lse[..., None])
-                dp = torch.einsum("bhgtd,bhsd->bhgts", dout, bv.to(acc))
-                ds = p * (dp - delta[..., None]) * scale
-                dq.add_(torch.einsum("bhgts,bhsd->bhgtd", ds, bk.to(acc)))
-                if need_kv:
-                    dvs.append(torch.einsum("bhgts,bhgtd->bhsd", p, dout))
-                    dks.append(torch.einsum("bhgts,bhgtd->bhsd", ds, qf.to(acc)))
-            if not need_kv:
-                return dq, None, None
-            return dq, torch.cat(dks, dim=2).to(keys.dtype), torch.cat(dvs, dim=2).to(values.dtype)
+            return dq, *block_grads(qf, keys, values, dout, delta, lse, scale, causal, need_kv, dq)
 
         # Own causal part, with the global log-sum-exp.
         dq, dk, dvv = grads(q.view(1, hkv, g, t, d), k, v, dout, delta, lse, causal=True, need_kv=True)
