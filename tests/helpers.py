@@ -10,6 +10,7 @@ from trl import GRPOConfig
 
 from tests.tolerances import GRAD_RTOL
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw.reference import detached_prompt_logps
 
 
 def zero_reward(completions, **kwargs):
@@ -45,6 +46,25 @@ def make_trainer(path, cls=LongStrawGRPOTrainer, **overrides):
     if trainer.args.gradient_checkpointing:
         trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return trainer
+
+
+def detached_reference(path, **overrides):
+    """A stock `GRPOTrainer` whose log-probs come from `reference.detached_prompt_logps`: stock's loss and backward on
+    a plain detached-prompt forward (the prompt without autograd, each completion on a fresh copy of the cache).
+
+    transformers drops the cache under gradient checkpointing, so the reference always runs without it.
+    """
+    from trl import GRPOTrainer
+
+    reference = make_trainer(path, GRPOTrainer, **{**overrides, "gradient_checkpointing": False})
+    causal_lm = reference.model
+
+    def plain(model, input_ids, attention_mask, logits_to_keep, compute_entropy=False, **kwargs):
+        lp, ent = detached_prompt_logps(causal_lm, input_ids, attention_mask, logits_to_keep, reference.temperature)
+        return lp, ent if compute_entropy else None, None
+
+    reference._get_per_token_logps_and_entropies = plain
+    return reference
 
 
 def run_steps(trainer, micro_batches) -> tuple[list[float], dict[str, torch.Tensor]]:

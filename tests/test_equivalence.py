@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import assert_grads_close, make_trainer, run_steps
+from tests.helpers import assert_grads_close, detached_reference, make_trainer, run_steps
 from tests.tolerances import LOGP_ATOL, LOSS_ATOL
-from trl_longstraw.reference import detached_prompt_logps
 from trl_longstraw.testing import build_tokenizer, random_micro_batch
 
 VOCAB = len(build_tokenizer())
@@ -143,14 +142,7 @@ def test_detached_matches_plain_reference(tiny_model_path, family):
 
     path = tiny_model_path(family)
     config = dict(loss_type="grpo", beta=0.1, entropy_coef=0.1)
-    reference = make_trainer(path, GRPOTrainer, **config)
-    causal_lm = reference.model
-
-    def plain(model, input_ids, attention_mask, logits_to_keep, compute_entropy=False, **kwargs):
-        lp, ent = detached_prompt_logps(causal_lm, input_ids, attention_mask, logits_to_keep, reference.temperature)
-        return lp, ent if compute_entropy else None, None
-
-    reference._get_per_token_logps_and_entropies = plain
+    reference = detached_reference(path, **config)
     ours = make_trainer(path, prompt_gradient="detached", prefill_chunk_size=CHUNK, prefill_progress=False, **config)
     mb = micro_batch()
     ref_losses, ref_grads = run_steps(reference, [mb])

@@ -20,13 +20,13 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 )
 from trl.trainer.utils import add_fused_lm_head
 
-from tests.helpers import assert_grads_close, make_trainer, run_steps
+from tests.helpers import assert_grads_close, detached_reference, make_trainer, run_steps
 from tests.tolerances import DELTA_RULE_ATOL, GRAD_RTOL, LOGP_ATOL, LOSS_ATOL
 from trl_longstraw.adapters import get_adapter
 from trl_longstraw.engine import Engine, Pass, PromptGroup, use_pass
 from trl_longstraw.plan import preset_config
 from trl_longstraw.qwen3_5 import Qwen3_5Adapter, torch_gated_delta_rule
-from trl_longstraw.reference import detached_prompt_logps, plain_token_logps
+from trl_longstraw.reference import plain_token_logps
 from trl_longstraw.testing import build_tokenizer, random_micro_batch, tiny_config
 
 VOCAB = len(build_tokenizer())
@@ -366,15 +366,7 @@ def test_detached_matches_plain_reference(path, monkeypatch, checkpointing):
 
     monkeypatch.setattr(LinearAttentionLayer, "update_recurrent_state", _rebind_recurrent_state)
     config = dict(loss_type="bnpo", beta=0.1)
-    # transformers drops the cache under gradient checkpointing, so the reference runs without.
-    reference = make_trainer(path, GRPOTrainer, **config)
-    causal_lm = reference.model
-
-    def plain(model, input_ids, attention_mask, logits_to_keep, compute_entropy=False, **kwargs):
-        lp, ent = detached_prompt_logps(causal_lm, input_ids, attention_mask, logits_to_keep, reference.temperature)
-        return lp, ent if compute_entropy else None, None
-
-    reference._get_per_token_logps_and_entropies = plain
+    reference = detached_reference(path, **config)
     ours = make_trainer(
         path,
         prompt_gradient="detached",
