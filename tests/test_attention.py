@@ -210,3 +210,15 @@ def test_rejects_heads_not_multiple():
     q, k, v, prefix = make_inputs(1, 3, 2, 2, [1])
     with pytest.raises(ValueError, match="multiple of key heads"):
         prefix_merge_attention(q, k, v, prefix, 1.0)
+
+
+def test_prefix_of_batch_one_is_shared_by_every_row(impl):
+    """Shared-prompt decoding and batched scoring pass prompt chunks of batch 1 with B rows of queries: the result
+    equals the reference with the prefix repeated for every row, under both implementations."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 4, 5, 8, generator=g)
+    k, v = torch.randn(3, 2, 5, 8, generator=g), torch.randn(3, 2, 5, 8, generator=g)
+    prefix = [(torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)) for n in (7, 3)]
+    expanded = [(pk.expand(3, -1, -1, -1), pv.expand(3, -1, -1, -1)) for pk, pv in prefix]
+    out = prefix_merge_attention(q, k, v, prefix, 0.3)
+    torch.testing.assert_close(out, reference_attention(q, k, v, expanded, 0.3), atol=ATTN_ATOL_FP32, rtol=0)

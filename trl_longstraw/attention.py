@@ -256,7 +256,8 @@ def prefix_merge_attention(
     Args:
         query: `[B, Hq, T, D]`.
         key, value: `[B, Hkv, T, D]` (`Dv` for value), the keys of the same `T` positions as `query`.
-        prefix: chunks `(k_i, v_i)` of shape `[B, Hkv, S_i, D]` that precede the queries.
+        prefix: chunks `(k_i, v_i)` of shape `[B, Hkv, S_i, D]` (or `[1, Hkv, S_i, D]`, shared by the B rows) that
+            precede the queries.
         scale: softmax scale.
 
     Returns:
@@ -266,7 +267,9 @@ def prefix_merge_attention(
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key heads ({key.shape[1]})")
     flat = [x for kv in prefix for x in kv]
     kind = _kernel_for(query, key, value)
-    if kind is not None:
+    # A prefix of batch 1 shared by B query rows (shared-prompt decoding, batched scoring) broadcasts in the portable
+    # path's einsums; the fused kernels would need it copied B times.
+    if kind is not None and all(x.shape[0] == query.shape[0] for x in flat):
         return _KernelPrefixMergeAttention.apply(kind, scale, query, key, value, *flat)
     return _PrefixMergeAttention.apply(scale, query, key, value, *flat)
 
