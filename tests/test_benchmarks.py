@@ -88,6 +88,10 @@ def test_bench_step_tiny_sweep(tmp_path):
     text = (tmp_path / "RESULTS.md").read_text()
     assert "| 256 | 2 |" in text and "must-show" in text
     assert (tmp_path / "plots" / "llama.png").stat().st_size > 1000
+    # --replot rebuilds the same report from results.json alone.
+    (tmp_path / "RESULTS.md").unlink()
+    subprocess.run(cmd[:2] + ["--replot", "--out", str(tmp_path)], check=True, env=_env(), timeout=300)
+    assert (tmp_path / "RESULTS.md").read_text() == text
 
 
 @pytest.mark.slow
