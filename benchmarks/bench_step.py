@@ -355,9 +355,9 @@ def budget_estimate(records, family, impl, g, chunk, completions, budget) -> dic
 
 
 def largest_fitting(args, model_paths, family, impl, budget_gib, start, stop, cache: dict) -> list[dict]:
-    """Direct search: doubling P from `start` (up to `stop`) while the step fits `budget_gib` of growth, then
-    `--bisect-steps` bisections. Runs already in `cache` (keyed like `sweep_plan`'s items) are reused. Returns the
-    records it used."""
+    """Direct search: doubling P from `start` (up to `stop`) while the step fits `budget_gib` of growth (halving
+    instead if `start` does not fit), then `--bisect-steps` bisections. Runs already in `cache` (keyed like
+    `sweep_plan`'s items) are reused. Returns the records it used."""
     budget = budget_gib * GIB
 
     def run(p):
@@ -374,6 +374,15 @@ def largest_fitting(args, model_paths, family, impl, budget_gib, start, stop, ca
             bad = p
             break
         good, p = p, p * 2
+    # The first probe already over the budget: halve down to 256 tokens until one fits.
+    p = start // 2
+    while good is None and p >= 256:
+        r = run(p)
+        used.append(r)
+        if ok(r) and r["growth_bytes"] <= budget:
+            good = p
+        else:
+            bad, p = p, p // 2
     for _ in range(args.bisect_steps if bad and good else 0):
         mid = (good + bad) // 2 // 256 * 256
         if mid in (good, bad):
@@ -466,6 +475,15 @@ def targets(records, budgets, family, args) -> list[str]:
     lines = []
 
     def check(name, a, b, key, goal):
+        if key == "growth_bytes" and a and a["status"] == "OOM" and ok(b):
+            # Stock stopped at the guard: its growth exceeded the limit, so the ratio is at least limit / ours.
+            bound = args.mem_limit_gib * GIB / b[key]
+            verdict = "MET" if bound >= goal else "NOT SHOWN"
+            lines.append(
+                f"- {name}: >= {bound:.0f}x (stock passed the {args.mem_limit_gib:g} GiB guard; target >= {goal}x): "
+                f"{verdict}"
+            )
+            return
         if not (ok(a) and ok(b)):
             lines.append(f"- {name}: not measured (a configuration did not finish), target >= {goal}x")
             return
