@@ -342,15 +342,32 @@ def budget_estimate(records, family, impl, g, chunk, completions, budget) -> dic
         k = math.log(g1 / g0) / math.log(p1 / p0)
         out.update(P=int(p0 * (budget / g0) ** (1 / k)), kind=f"interpolated between P={p0} and P={p1}")
     elif len(runs) >= 2 and not above:
-        (p0, g0), (p1, g1) = runs[-2], runs[-1]
+        # Our growth is affine in P only once the prompt fills a whole chunk (the chunk's activations are the fixed
+        # part): extrapolate from runs longer than one chunk when there are two.
+        full = [(p, growth) for p, growth in runs if p > chunk]
+        (p0, g0), (p1, g1) = (full if len(full) >= 2 else runs)[-2:]
         slope = (g1 - g0) / (p1 - p0)
         if slope <= 0:
             return out
+        caveat = "" if len(full) >= 2 or impl == "stock" else f"; P={p0} is within one chunk, so this is low"
         out.update(
             P=int(p1 + (budget - g1) / slope),
             slope=slope,
-            kind=f"extrapolated linearly from P={p0} and P={p1}, not measured",
+            kind=f"extrapolated linearly from P={p0} and P={p1}, not measured{caveat}",
         )
+    return out
+
+
+def budget_estimates(records, families, args) -> list[dict]:
+    """`budget_estimate` of every family and implementation, at the P sweep's G and the main chunk size."""
+    out = []
+    for family in families:
+        for impl in args.impls:
+            b = budget_estimate(
+                records, family, impl, args.p_sweep_G, args.chunk, args.completions, args.budget_gib * GIB
+            )
+            if b:
+                out.append(dict(family=family, impl=impl, **b))
     return out
 
 
@@ -736,14 +753,7 @@ def main(argv=None):
             largest_fitting(args, model_paths, family, impl, args.budget_gib, 2048, 1 << 21, cache)
     extra = [r for key, r in cache.items() if key not in set(plan)]
     records += extra
-    budgets = []
-    for family in families:
-        for impl in args.impls:
-            b = budget_estimate(
-                records, family, impl, args.p_sweep_G, args.chunk, args.completions, args.budget_gib * GIB
-            )
-            if b:
-                budgets.append(dict(family=family, impl=impl, **b))
+    budgets = budget_estimates(records, families, args)
     elapsed = (datetime.datetime.now().astimezone() - started).total_seconds()
 
     out = Path(args.out)
@@ -773,7 +783,8 @@ def replot(folder: Path) -> None:
     args = argparse.Namespace(**raw["args"])
     families = list(dict.fromkeys(r["family"] for r in raw["records"]))
     plots(raw["records"], families, folder / "plots", args)
-    md = report(args, families, raw["records"], raw["budgets"], raw)
+    budgets = budget_estimates(raw["records"], families, args)
+    md = report(args, families, raw["records"], budgets, raw)
     (folder / "RESULTS.md").write_text("\n".join(md) + "\n")
     print(f"rewrote {folder / 'RESULTS.md'} and {folder / 'plots'} from {folder / 'results.json'}")
 
