@@ -358,6 +358,60 @@ def budget_estimate(records, family, impl, g, chunk, completions, budget) -> dic
     return out
 
 
+def predicted_wall(last: dict, p: int) -> float:
+    """Wall seconds of our step at `p` from its run at a shorter prompt: prefill and reverse pass grow as P^2
+    (attention over the prompt), the branch replays as P."""
+    r = p / last["P"]
+    quadratic = last.get("prefill_s", 0.0) + last.get("reverse_s", 0.0)
+    return quadratic * r * r + last.get("replay_s", 0.0) * r + (last["time_s"] - quadratic - last.get("replay_s", 0.0))
+
+
+def run_plan(args, model_paths, plan) -> dict:
+    """Runs the plan's configurations, `args.jobs` at a time. Ours' P sweeps run as chains, shortest P first, and a
+    P whose predicted wall time (`predicted_wall`) exceeds the timeout is recorded as skipped instead of run. Stock
+    is always run: past the memory guard it fails at once, which says more than a prediction."""
+    chains: dict[tuple, list] = {}
+    for item in plan:
+        family, impl, p, g, chunk, completions = item
+        key = (family, impl, g, chunk, completions) if impl != "stock" else item
+        chains.setdefault(key, []).append(item)
+
+    def run_chain(items):
+        out, last = {}, None
+        for item in sorted(items, key=lambda x: x[2]):
+            note = None
+            if last is not None and last["status"] == "timeout":
+                note = f"P={last['P']} already ran past the timeout"
+            elif last is not None and ok(last) and predicted_wall(last, item[2]) > args.timeout:
+                note = f"predicted {predicted_wall(last, item[2]):.0f} s > timeout {args.timeout:.0f} s"
+            if note:
+                family, impl, p, g, chunk, completions = item
+                out[item] = dict(
+                    family=family,
+                    impl=impl,
+                    P=p,
+                    G=g,
+                    C=args.C,
+                    chunk=chunk,
+                    completions=completions,
+                    status="skipped",
+                    note=note,
+                    wall_s=0.0,
+                )
+                print(" ", fmt_record(out[item]), flush=True)
+                continue
+            out[item] = last = run_config(args, model_paths, *item)
+        return out
+
+    # Longest first (stock, then ours' longest chains), so that the last job to finish is a short one.
+    order = sorted(chains.values(), key=lambda c: (c[0][1] != "stock", -max(x[2] * x[3] for x in c)))
+    by_key = {}
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for done in pool.map(run_chain, order):
+            by_key.update(done)
+    return by_key
+
+
 def budget_estimates(records, families, args) -> list[dict]:
     """`budget_estimate` of every family and implementation, at the P sweep's G and the main chunk size."""
     out = []
@@ -740,11 +794,7 @@ def main(argv=None):
 
     plan = sweep_plan(args, families)
     print(f"{len(plan)} configurations, {args.jobs} at a time", flush=True)
-    # Longest first (stock, then by P * G), so that the last job to finish is a short one.
-    order = sorted(plan, key=lambda x: (x[1] != "stock", -x[2] * x[3]))
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        done = pool.map(lambda x: run_config(args, model_paths, *x), order)
-        by_key = dict(zip(order, done, strict=True))
+    by_key = run_plan(args, model_paths, plan)
     records = [by_key[x] for x in plan]
     cache = dict(zip(plan, records, strict=True))
     searched = {"none": (), "stock": ("stock",), "all": tuple(args.impls)}[args.search]
