@@ -342,22 +342,93 @@ def budget_estimate(records, family, impl, g, chunk, completions, budget) -> dic
         k = math.log(g1 / g0) / math.log(p1 / p0)
         out.update(P=int(p0 * (budget / g0) ** (1 / k)), kind=f"interpolated between P={p0} and P={p1}")
     elif len(runs) >= 2 and not above:
-        (p0, g0), (p1, g1) = runs[-2], runs[-1]
+        # Our growth is affine in P only once the prompt fills a whole chunk (the chunk's activations are the fixed
+        # part): extrapolate from runs longer than one chunk when there are two.
+        full = [(p, growth) for p, growth in runs if p > chunk]
+        (p0, g0), (p1, g1) = (full if len(full) >= 2 else runs)[-2:]
         slope = (g1 - g0) / (p1 - p0)
         if slope <= 0:
             return out
+        caveat = "" if len(full) >= 2 or impl == "stock" else f"; P={p0} is within one chunk, so this is low"
         out.update(
             P=int(p1 + (budget - g1) / slope),
             slope=slope,
-            kind=f"extrapolated linearly from P={p0} and P={p1}, not measured",
+            kind=f"extrapolated linearly from P={p0} and P={p1}, not measured{caveat}",
         )
     return out
 
 
+def predicted_wall(last: dict, p: int) -> float:
+    """Wall seconds of our step at `p` from its run at a shorter prompt: prefill and reverse pass grow as P^2
+    (attention over the prompt), the branch replays as P."""
+    r = p / last["P"]
+    quadratic = last.get("prefill_s", 0.0) + last.get("reverse_s", 0.0)
+    return quadratic * r * r + last.get("replay_s", 0.0) * r + (last["time_s"] - quadratic - last.get("replay_s", 0.0))
+
+
+def run_plan(args, model_paths, plan) -> dict:
+    """Runs the plan's configurations, `args.jobs` at a time. Ours' P sweeps run as chains, shortest P first, and a
+    P whose predicted wall time (`predicted_wall`) exceeds the timeout is recorded as skipped instead of run. Stock
+    is always run: past the memory guard it fails at once, which says more than a prediction."""
+    chains: dict[tuple, list] = {}
+    for item in plan:
+        family, impl, p, g, chunk, completions = item
+        key = (family, impl, g, chunk, completions) if impl != "stock" else item
+        chains.setdefault(key, []).append(item)
+
+    def run_chain(items):
+        out, last = {}, None
+        for item in sorted(items, key=lambda x: x[2]):
+            note = None
+            if last is not None and last["status"] == "timeout":
+                note = f"P={last['P']} already ran past the timeout"
+            elif last is not None and ok(last) and predicted_wall(last, item[2]) > args.timeout:
+                note = f"predicted {predicted_wall(last, item[2]):.0f} s > timeout {args.timeout:.0f} s"
+            if note:
+                family, impl, p, g, chunk, completions = item
+                out[item] = dict(
+                    family=family,
+                    impl=impl,
+                    P=p,
+                    G=g,
+                    C=args.C,
+                    chunk=chunk,
+                    completions=completions,
+                    status="skipped",
+                    note=note,
+                    wall_s=0.0,
+                )
+                print(" ", fmt_record(out[item]), flush=True)
+                continue
+            out[item] = last = run_config(args, model_paths, *item)
+        return out
+
+    # Longest first (stock, then ours' longest chains), so that the last job to finish is a short one.
+    order = sorted(chains.values(), key=lambda c: (c[0][1] != "stock", -max(x[2] * x[3] for x in c)))
+    by_key = {}
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for done in pool.map(run_chain, order):
+            by_key.update(done)
+    return by_key
+
+
+def budget_estimates(records, families, args) -> list[dict]:
+    """`budget_estimate` of every family and implementation, at the P sweep's G and the main chunk size."""
+    out = []
+    for family in families:
+        for impl in args.impls:
+            b = budget_estimate(
+                records, family, impl, args.p_sweep_G, args.chunk, args.completions, args.budget_gib * GIB
+            )
+            if b:
+                out.append(dict(family=family, impl=impl, **b))
+    return out
+
+
 def largest_fitting(args, model_paths, family, impl, budget_gib, start, stop, cache: dict) -> list[dict]:
-    """Direct search: doubling P from `start` (up to `stop`) while the step fits `budget_gib` of growth, then
-    `--bisect-steps` bisections. Runs already in `cache` (keyed like `sweep_plan`'s items) are reused. Returns the
-    records it used."""
+    """Direct search: doubling P from `start` (up to `stop`) while the step fits `budget_gib` of growth (halving
+    instead if `start` does not fit), then `--bisect-steps` bisections. Runs already in `cache` (keyed like
+    `sweep_plan`'s items) are reused. Returns the records it used."""
     budget = budget_gib * GIB
 
     def run(p):
@@ -374,6 +445,15 @@ def largest_fitting(args, model_paths, family, impl, budget_gib, start, stop, ca
             bad = p
             break
         good, p = p, p * 2
+    # The first probe already over the budget: halve down to 256 tokens until one fits.
+    p = start // 2
+    while good is None and p >= 256:
+        r = run(p)
+        used.append(r)
+        if ok(r) and r["growth_bytes"] <= budget:
+            good = p
+        else:
+            bad, p = p, p // 2
     for _ in range(args.bisect_steps if bad and good else 0):
         mid = (good + bad) // 2 // 256 * 256
         if mid in (good, bad):
@@ -466,6 +546,15 @@ def targets(records, budgets, family, args) -> list[str]:
     lines = []
 
     def check(name, a, b, key, goal):
+        if key == "growth_bytes" and a and a["status"] == "OOM" and ok(b):
+            # Stock stopped at the guard: its growth exceeded the limit, so the ratio is at least limit / ours.
+            bound = args.mem_limit_gib * GIB / b[key]
+            verdict = "MET" if bound >= goal else "NOT SHOWN"
+            lines.append(
+                f"- {name}: >= {bound:.0f}x (stock passed the {args.mem_limit_gib:g} GiB guard; target >= {goal}x): "
+                f"{verdict}"
+            )
+            return
         if not (ok(a) and ok(b)):
             lines.append(f"- {name}: not measured (a configuration did not finish), target >= {goal}x")
             return
@@ -511,6 +600,7 @@ def plots(records, families, out_dir: Path, args) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -543,6 +633,10 @@ def plots(records, families, out_dir: Path, args) -> list[Path]:
         axes[1].set_title(f"memory vs G (P={args.g_sweep_P}, C={args.C})")
         axes[2].set(xscale="log", yscale="log", xlabel="prompt tokens P", ylabel="step CPU time (s)")
         axes[2].set_title(f"step time vs P (G={args.p_sweep_G}, C={args.C})")
+        sizes = sorted(set(args.stock_P) | set(args.ours_P))
+        for ax in (axes[0], axes[2]):
+            ax.set_xticks(sizes, [f"{p / 1024:g}K" for p in sizes])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         for ax in axes:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend()
@@ -568,7 +662,7 @@ def parse_sizes(text: str) -> list[int]:
     return out
 
 
-def report(args, families, records, budgets, command, date, elapsed) -> list[str]:
+def report(args, families, records, budgets, raw) -> list[str]:
     from trl_longstraw.adapters import ADAPTERS
 
     md = [
@@ -576,10 +670,10 @@ def report(args, families, records, budgets, command, date, elapsed) -> list[str
         "",
         "Generated by `benchmarks/bench_step.py`; `benchmarks/README.md` says what is measured and how.",
         "",
-        f"- command: `{command}`",
-        f"- date: {date}; the sweep took {elapsed / 60:.1f} min; load average at the end "
-        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} (other jobs shared the machine when it exceeds the cores)",
-        f"- hardware: {hardware()}; {versions()}; {args.threads} torch thread(s) per configuration",
+        f"- command: `{raw['command']}`",
+        f"- date: {raw['date']}; the sweep took {raw['elapsed_s'] / 60:.1f} min; load average at the end "
+        f"{raw['load_average']} (other jobs shared the machine when it exceeds the cores)",
+        f"- hardware: {raw['hardware']}; {raw['versions']}; {args.threads} torch thread(s) per configuration",
         f"- setup: one prompt of P tokens and G completions of at most C={args.C} tokens ({args.completions}: "
         f"{completion_lengths(args.p_sweep_G, args.C, args.completions)} at G={args.p_sweep_G}); {args.dtype}; "
         f"gradient checkpointing {'on (non-reentrant, as GRPOConfig defaults)' if args.grad_ckpt else 'off'}; "
@@ -663,11 +757,14 @@ def main(argv=None):
     parser.add_argument("--bisect-steps", type=int, default=2, help="bisection steps of --search")
     parser.add_argument("--quick", action="store_true", help="a few minutes: llama, P in {2K, 8K}, G in {2, 8}")
     parser.add_argument("--out", default=str(HERE), help="folder of RESULTS.md, results.json and plots/")
+    parser.add_argument("--replot", action="store_true", help="rewrite RESULTS.md and plots from --out's results.json")
     args = parser.parse_args(argv)
 
     if args.worker:
         args.family = args.family or "llama"
         return worker(args)
+    if args.replot:
+        return replot(Path(args.out))
 
     if args.quick:
         args.family = args.family or "llama"
@@ -697,11 +794,7 @@ def main(argv=None):
 
     plan = sweep_plan(args, families)
     print(f"{len(plan)} configurations, {args.jobs} at a time", flush=True)
-    # Longest first (stock, then by P * G), so that the last job to finish is a short one.
-    order = sorted(plan, key=lambda x: (x[1] != "stock", -x[2] * x[3]))
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        done = pool.map(lambda x: run_config(args, model_paths, *x), order)
-        by_key = dict(zip(order, done, strict=True))
+    by_key = run_plan(args, model_paths, plan)
     records = [by_key[x] for x in plan]
     cache = dict(zip(plan, records, strict=True))
     searched = {"none": (), "stock": ("stock",), "all": tuple(args.impls)}[args.search]
@@ -710,14 +803,7 @@ def main(argv=None):
             largest_fitting(args, model_paths, family, impl, args.budget_gib, 2048, 1 << 21, cache)
     extra = [r for key, r in cache.items() if key not in set(plan)]
     records += extra
-    budgets = []
-    for family in families:
-        for impl in args.impls:
-            b = budget_estimate(
-                records, family, impl, args.p_sweep_G, args.chunk, args.completions, args.budget_gib * GIB
-            )
-            if b:
-                budgets.append(dict(family=family, impl=impl, **b))
+    budgets = budget_estimates(records, families, args)
     elapsed = (datetime.datetime.now().astimezone() - started).total_seconds()
 
     out = Path(args.out)
@@ -728,16 +814,29 @@ def main(argv=None):
         hardware=hardware(),
         versions=versions(),
         elapsed_s=elapsed,
+        load_average=", ".join(f"{x:.1f}" for x in os.getloadavg()),
         args={k: v for k, v in vars(args).items() if k not in ("worker", "impl", "P", "G", "model_path")},
         records=records,
         budgets=budgets,
     )
     (out / "results.json").write_text(json.dumps(raw, indent=1) + "\n")
     pngs = plots(records, families, out / "plots", args)
-    md = report(args, families, records, budgets, command, date, elapsed)
+    md = report(args, families, records, budgets, raw)
     (out / "RESULTS.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md[md.index("") + 1 :]))
     print(f"\nwrote {out / 'RESULTS.md'}, {out / 'results.json'}, {', '.join(str(p) for p in pngs)}")
+
+
+def replot(folder: Path) -> None:
+    """Rewrites `RESULTS.md` and the plots of `folder` from its `results.json`, without measuring anything."""
+    raw = json.loads((folder / "results.json").read_text())
+    args = argparse.Namespace(**raw["args"])
+    families = list(dict.fromkeys(r["family"] for r in raw["records"]))
+    plots(raw["records"], families, folder / "plots", args)
+    budgets = budget_estimates(raw["records"], families, args)
+    md = report(args, families, raw["records"], budgets, raw)
+    (folder / "RESULTS.md").write_text("\n".join(md) + "\n")
+    print(f"rewrote {folder / 'RESULTS.md'} and {folder / 'plots'} from {folder / 'results.json'}")
 
 
 if __name__ == "__main__":

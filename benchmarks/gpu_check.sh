@@ -51,6 +51,10 @@ stage() {
         return
     fi
     [ "$budget" -gt $((remaining - 15)) ] && budget=$((remaining - 15))
+    if [ "$budget" -lt 20 ]; then
+        log "SKIP $name: budget ${budget}s"
+        return
+    fi
     log "stage $name (budget ${budget}s)"
     timeout --kill-after=10 $((budget + 30)) "$PY" benchmarks/gpu_check.py --out "$OUT" --budget-s "$budget" "$@" \
         "${EXTRA[@]}" 2>&1 | tee -a "$LOG"

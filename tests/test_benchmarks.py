@@ -53,6 +53,13 @@ def test_budget_estimate_counts_oom_as_failing():
     assert est["fits"] == 2048 and est["fails"] == 4096 and "P" not in est
 
 
+def test_predicted_wall_scales_attention_quadratically_and_branches_linearly():
+    last = dict(P=8192, time_s=10.0, prefill_s=2.0, reverse_s=4.0, replay_s=3.0)
+    # 6 s of prefill + reverse x 4^2, 3 s of replays x 4, 1 s of the rest as is.
+    assert bench_step.predicted_wall(last, 32768) == 6 * 16 + 3 * 4 + 1
+    assert bench_step.predicted_wall(dict(P=100, time_s=2.0), 200) == 2.0
+
+
 def test_parse_planner_budget():
     text = (
         "per-GPU budget at the peak of a step:\n"
@@ -88,6 +95,10 @@ def test_bench_step_tiny_sweep(tmp_path):
     text = (tmp_path / "RESULTS.md").read_text()
     assert "| 256 | 2 |" in text and "must-show" in text
     assert (tmp_path / "plots" / "llama.png").stat().st_size > 1000
+    # --replot rebuilds the same report from results.json alone.
+    (tmp_path / "RESULTS.md").unlink()
+    subprocess.run(cmd[:2] + ["--replot", "--out", str(tmp_path)], check=True, env=_env(), timeout=300)
+    assert (tmp_path / "RESULTS.md").read_text() == text
 
 
 @pytest.mark.slow
