@@ -309,7 +309,7 @@ def test_gradient_reaches_latent_and_rope_records_not_indexer_keys(glm_path):
     state.requires_grad_()
     completion = torch.randint(3, VOCAB, (4,))
     with adapter.activate(), use_pass(Pass(state, visible=state.num_chunks)):
-        logps, _ = engine._forward_branch(state, *engine._branch(group, completion, 4))
+        logps, _ = engine._forward_branch(*engine._branch(group, completion, 4))
         logps.sum().backward()
     assert not any(p.grad is not None for n, p in model.named_parameters() if ".indexer." in n)
     rank = model.config.kv_lora_rank

@@ -334,8 +334,9 @@ class Engine:
         positions = self._positions(group.pad + group.tokens.shape[0] - 1, n, ids.device)
         return ids[None], positions, completion[None, :n]
 
-    def _forward_branch(self, state: PromptState | None, ids, positions, labels):
-        """Log-probs and entropies `[R, N]` of branches `ids` `[R, N]`; entropies `None` if the fused head has none."""
+    def _forward_branch(self, ids, positions, labels):
+        """Log-probs and entropies `[R, N]` of branches `ids` `[R, N]` against the active pass's prompt state
+        (entropies `None` if the fused head has none)."""
         out = branch_model(self.model)(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
         return out.log_probs, out.entropy
 
@@ -363,7 +364,7 @@ class Engine:
             labels = ids
         else:
             ids, positions, labels = self._branch(group, group.tokens[-1:], 1)
-        lp, ent = self._forward_branch(None, ids, positions, labels)
+        lp, ent = self._forward_branch(ids, positions, labels)
         if backward_fn is not None:
             backward_fn(lp.sum() * 0 + (0 if ent is None else ent.sum() * 0))
 
@@ -440,7 +441,7 @@ class Engine:
                     if inputs is None:
                         self._zero_branch(group, None, prompt_ids.device)
                         continue
-                    lp, ent = self._forward_branch(state, *inputs)
+                    lp, ent = self._forward_branch(*inputs)
                     for i, row in enumerate(batch_rows):
                         n = lengths[row]
                         logps[row, :n] = lp[i, :n]
@@ -504,7 +505,7 @@ class Engine:
                         self._zero_branch(group, backward_fn, prompt_ids.device)
                         continue
                     n = lengths[row]
-                    lp, ent = self._forward_branch(state, *self._branch(group, completion_ids[row], n))
+                    lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
                     surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
                     if grad_entropies is not None:
                         surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
