@@ -14,7 +14,8 @@ runs these scenarios on them:
 - `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state, `S`;
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
   has no gradient to back-propagate;
-- first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, in fp64.
+- first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, and the glm_moe_dsa sharded
+  selection and latent attention against their references, in fp64.
 
 Rank 0 writes the full (gathered) parameter gradients, the logps of the sharded scoring, each rank's sequence of
 collective calls and the state sizes to `OUT`. The process group is destroyed and the process exits explicitly
@@ -179,6 +180,123 @@ def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
     return errors
 
 
+def sharded_dsa_errors(rank: int, world: int) -> dict[str, float]:
+    """The glm_moe_dsa sharded kernels against their single-process references, in fp64 (the indexer in fp32, as it
+    runs).
+
+    `sharded_select_topk` must select exactly `reference_select`'s keys (a set per query: the order within a row is
+    free), and `sharded_latent_attention` must give `reference_latent_attention`'s output and gradients, each prefix
+    chunk's gradient reaching its owner whole (the sum over ranks of the references'). Query lengths 3 and 1 per rank;
+    prefixes of 3 chunks (both ranks hold some) and of 1 (rank 1 holds none); top-k 5 (selection across shards),
+    13 (rank 1's queries see every key, rank 0's do not: ragged selection widths) and 64 (dense: no exchange). Blocks
+    are tiny so that tiles and key blocks span chunks. `ties` makes whole chunks score the same (integer queries,
+    constant weights, equal keys): the earlier key must win across shards as it does unsharded, here a chunk of rank 1
+    against a later chunk of rank 0. Returns max abs errors, and for the selection the number of queries whose set
+    differs.
+    """
+    import trl_longstraw.glm_moe_dsa as glm
+    from trl_longstraw.sharding import PromptShards
+
+    heads, dim, rank_dim, rope = 3, 4, 5, 2
+    lengths = [3, 1]
+    errors: dict[str, float] = {}
+    saved = glm.INDEX_KEY_BLOCK, glm.INDEX_TILE, glm.ATTN_SLOTS
+    glm.INDEX_KEY_BLOCK, glm.INDEX_TILE, glm.ATTN_SLOTS = 3, 2 * heads * 3, 2 * 5
+    try:
+        for chunk_lengths, topk, ties in [
+            ([5, 4, 3], 5, False),
+            ([5, 4, 3], 5, True),
+            ([5, 4, 3], 13, False),
+            ([9], 5, False),
+            ([5, 4, 3], 64, False),
+        ]:
+            tag = f"{len(chunk_lengths)}chunks/top{topk}" + ("/ties" if ties else "")
+            g = torch.Generator().manual_seed(topk + len(chunk_lengths) + ties)
+
+            def index(*shape, g=g, ties=ties):
+                """Indexer tensors, fp32 as the indexer computes them."""
+                if ties:
+                    return torch.randint(1, 3, shape, generator=g).float()
+                return torch.randn(*shape, generator=g)
+
+            def rand(*shape, g=g):
+                return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+            starts = [0]
+            for n in chunk_lengths:
+                starts.append(starts[-1] + n)
+            index_keys = [index(n, dim) for n in chunk_lengths]
+            if ties:
+                # Rank 0's first chunk scores nothing, the keys of rank 1's chunk 1 and of rank 0's chunk 2 all score
+                # the same: the top-k must take chunk 1 first, then the start of chunk 2.
+                index_keys = [torch.zeros(chunk_lengths[0], dim)] + [torch.ones(n, dim) for n in chunk_lengths[1:]]
+            kv = [rand(n, rank_dim + rope) for n in chunk_lengths]
+            # Per rank: indexer queries, head weights, own index keys, absorbed queries, own kv rows, output grad.
+            rows = [
+                (
+                    index(t, heads, dim),
+                    torch.ones(t, heads) if ties else torch.rand(t, heads, generator=g) + 0.5,
+                    index(t, dim),
+                    rand(t, heads, rank_dim + rope),
+                    rand(t, rank_dim + rope),
+                    rand(t, heads, rank_dim),
+                )
+                for t in lengths
+            ]
+            shards = PromptShards(None)
+            shards.lengths = lengths
+            held = [shards.owner(c) == rank for c in range(len(chunk_lengths))]
+            iq, iw, ik, q, own_kv, grad_out = rows[rank]
+            sel = glm.sharded_select_topk(
+                iq,
+                iw,
+                [k if h else None for k, h in zip(index_keys, held, strict=True)],
+                starts,
+                ik,
+                topk,
+                0.5,
+                shards,
+            )
+            full = glm._index_scores(iq, iw, torch.cat(index_keys + [ik]), 0.5)
+            expected = glm.reference_select(full, starts[-1], topk)
+            errors[f"{tag}/selection"] = float(
+                sum(set(a[a >= 0].tolist()) != set(b[b >= 0].tolist()) for a, b in zip(sel, expected, strict=True))
+            )
+            # One width on every rank: the widest rank's (its queries see the most keys).
+            errors[f"{tag}/selection_width"] = float(sel.shape[1] != min(topk, starts[-1] + max(lengths)))
+
+            def leaves(*xs):
+                return [x.clone().requires_grad_() for x in xs]
+
+            def grad(x):
+                """None when no query selected any of the rows: zero."""
+                return torch.zeros_like(x) if x.grad is None else x.grad
+
+            mine = [leaves(x)[0] if h else None for x, h in zip(kv, held, strict=True)]
+            ours = leaves(q, own_kv)
+            out = glm.sharded_latent_attention(ours[0], mine, starts, ours[1], sel, 0.4, rank_dim, shards)
+            out.backward(grad_out)
+            # Every rank's reference (all ranks draw the same tensors), for the prefix gradients summed over ranks.
+            whole = leaves(*kv)
+            for r, (riq, riw, rik, rq, rkv, rgrad) in enumerate(rows):
+                rsel = glm.reference_select(
+                    glm._index_scores(riq, riw, torch.cat(index_keys + [rik]), 0.5), starts[-1], topk
+                )
+                ref_leaves = leaves(rq, rkv)
+                ref = glm.reference_latent_attention(ref_leaves[0], whole + [ref_leaves[1]], rsel, 0.4, rank_dim)
+                ref.backward(rgrad)
+                if r == rank:
+                    errors[f"{tag}/out"] = (out - ref).abs().max().item()
+                    errors[f"{tag}/dq"] = (ours[0].grad - ref_leaves[0].grad).abs().max().item()
+                    errors[f"{tag}/dkv_own"] = (grad(ours[1]) - ref_leaves[1].grad).abs().max().item()
+            for c, x in enumerate(mine):
+                if x is not None:
+                    errors[f"{tag}/dprefix{c}"] = (grad(x) - whole[c].grad).abs().max().item()
+    finally:
+        glm.INDEX_KEY_BLOCK, glm.INDEX_TILE, glm.ATTN_SLOTS = saved
+    return errors
+
+
 def main(model_path: str, batches_path: str, out_path: str) -> None:
     os.environ.setdefault("ACCELERATE_USE_CPU", "1")
     from datasets import Dataset
@@ -206,7 +324,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     trainer.current_gradient_accumulation_steps = 1
     count_collectives(log)
     results: dict = {"collectives": {}, "state_bytes": {}}
-    attention_errors = sharded_attention_errors(rank, world)
+    attention_errors = sharded_attention_errors(rank, world) | sharded_dsa_errors(rank, world)
 
     def full_grads(model) -> dict[str, torch.Tensor]:
         grads = {}

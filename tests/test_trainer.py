@@ -8,6 +8,8 @@ from datasets import Dataset
 
 from tests.helpers import base_args, make_trainer, zero_reward
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw.adapters import ADAPTERS
+from trl_longstraw.kv import KVCacheAdapter
 
 
 @pytest.mark.parametrize(
@@ -124,8 +126,16 @@ def test_train_two_steps_with_generation(tiny_model_path, mode):
     assert "model.layers.0.self_attn.k_proj.weight" in changed
 
 
-def test_shard_prompt_state_refused_for_adapters_without_it(tiny_model_path):
-    """The glm_moe_dsa adapter keeps replicated records: asking for a sharded state is an error, not a no-op."""
-    with pytest.raises(ValueError, match="shard_prompt_state is not supported by the 'glm_moe_dsa' adapter"):
-        make_trainer(tiny_model_path("glm_moe_dsa"), shard_prompt_state=True)
-    make_trainer(tiny_model_path("llama"), shard_prompt_state=True)
+def test_shard_prompt_state_refused_for_adapters_without_it(tiny_model_path, monkeypatch):
+    """An adapter that does not declare `shards_prompt_state` (e.g. one a user adds to `ADAPTERS` for a new
+    architecture) keeps every record on every rank: asking for a sharded state is an error, not a no-op. Every
+    built-in adapter shards."""
+
+    class Replicating(KVCacheAdapter):
+        shards_prompt_state = False
+
+    for family in ("llama", "qwen3_5", "glm_moe_dsa"):
+        make_trainer(tiny_model_path(family), shard_prompt_state=True)
+    monkeypatch.setitem(ADAPTERS, "llama", Replicating)
+    with pytest.raises(ValueError, match="shard_prompt_state is not supported by the 'llama' adapter"):
+        make_trainer(tiny_model_path("llama"), shard_prompt_state=True)

@@ -39,6 +39,8 @@ class PromptState:
 
     records: dict[int, list[tuple[torch.Tensor, ...] | None]] = field(default_factory=dict)
     num_chunks: int = 0
+    # Prompt tokens of each chunk, so that a layer can number the prompt positions even of records it does not hold.
+    chunk_lengths: list[int] = field(default_factory=list)
     # Keep superseded records too: the exact-mode reverse pass starts chunk `c` from the recurrent state at its start.
     boundaries: bool = False
 
@@ -75,6 +77,14 @@ class Pass:
     def read(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
         """The records of chunks `[0, visible)` of this layer."""
         return self.state.records.get(layer_idx, [])[: self.visible]
+
+    def chunk_starts(self) -> list[int]:
+        """The first prompt position (counted from the first real prompt token) of each visible chunk, then the
+        number of visible positions: `visible + 1` values."""
+        starts = [0]
+        for n in self.state.chunk_lengths[: self.visible]:
+            starts.append(starts[-1] + n)
+        return starts
 
     def emit(
         self, layer_idx: int, record: tuple[torch.Tensor, ...], sharded: bool = False, supersedes: bool = False
@@ -270,6 +280,7 @@ class Engine:
                         use_cache=False,
                     )
                 state.num_chunks += 1
+                state.chunk_lengths.append(end - start)
                 bar.update(end - start)
         bar.close()
         self.stats.prompt_positions += prefix.shape[0]

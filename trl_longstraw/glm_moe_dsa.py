@@ -52,6 +52,7 @@ from transformers import PreTrainedModel
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttention, apply_rotary_pos_emb_interleave
 
 from .engine import active_pass
+from .sharding import PromptShards, gather_tokens, return_tokens
 
 # Query x selected-key slots gathered at once by the sparse attention. Bounds the `[Q * k, kv_lora_rank + rope]`
 # gathered rows (and the `[Q, heads, k]` scores) alive during its forward and backward: 2^18 slots of 576 fp32 values
@@ -78,21 +79,29 @@ def _index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sc
     return torch.matmul(weights[:, None, :], scores)[:, 0]
 
 
-def _key_blocks(parts: list[torch.Tensor], block: int):
-    """Yields `(first key number, keys [n, D])` over the concatenation of `parts`, `block` keys at a time."""
-    pending, count, first = [], 0, 0
-    for part in parts:
+def _key_blocks(parts: list[tuple[int, torch.Tensor]], block: int):
+    """Yields `(first, last, numbers [n], keys [n, D])` over `parts` (`(first key number, keys [n_i, D])`, in
+    increasing key order, numbered consecutively within a part), `block` keys at a time. A block may span parts."""
+    pending, spans, count = [], [], 0
+
+    def flush():
+        device = pending[0].device
+        numbers = torch.cat([torch.arange(first, first + n, device=device) for first, n in spans])
+        return spans[0][0], spans[-1][0] + spans[-1][1] - 1, numbers, torch.cat(pending)
+
+    for first, part in parts:
         start = 0
         while start < part.shape[0]:
             take = min(block - count, part.shape[0] - start)
             pending.append(part[start : start + take])
+            spans.append((first + start, take))
             count += take
             start += take
             if count == block:
-                yield first, torch.cat(pending)
-                first, pending, count = first + count, [], 0
+                yield flush()
+                pending, spans, count = [], [], 0
     if count:
-        yield first, torch.cat(pending)
+        yield flush()
 
 
 def _keep_topk(values: torch.Tensor, keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +116,85 @@ def _keep_topk(values: torch.Tensor, keys: torch.Tensor, k: int) -> tuple[torch.
         raise ValueError("the DSA indexer produced NaN scores")
     cols = cols.view(-1, k)
     return values.gather(1, cols), keys.gather(1, cols)
+
+
+def _pad_columns(values: torch.Tensor, keys: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pads candidates `[Q, m]` to `width` columns with `(-inf, -1)`: no key."""
+    extra = width - values.shape[1]
+    if extra <= 0:
+        return values, keys
+    values = torch.cat([values, values.new_full((values.shape[0], extra), float("-inf"))], dim=1)
+    return values, torch.cat([keys, keys.new_full((keys.shape[0], extra), -1)], dim=1)
+
+
+def _running_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    blocks,
+    query_start: int | None,
+    topk: int,
+    scale: float,
+    key_block: int,
+    initial: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's best `topk` (score, key number) candidates over `blocks` (from `_key_blocks`), in key order.
+
+    Args:
+        q, weights: `[S, H, D]` indexer queries and `[S, H]` head weights.
+        query_start: key number of the first query, which sees keys `<= query_start + i`; None when every key
+            of `blocks` precedes every query.
+        key_block: the size of the blocks, which sets how many queries are scored per tile.
+        initial: candidates `(values, keys)` `[S, m]` in key order, every key before those of `blocks`.
+
+    Returns:
+        `(values, keys)` `[S, min(topk, m)]`, `m` the number of candidates, padded with `(-inf, -1)` where a
+        query saw fewer keys than another.
+    """
+    s, heads = q.shape[:2]
+    device = q.device
+    query_pos = None if query_start is None else torch.arange(query_start, query_start + s, device=device)
+    query_block = max(1, INDEX_TILE // (heads * key_block))
+    starts = list(range(0, s, query_block))
+    # Running (values, key numbers) `[Q, <= topk]` of each query block, in key order.
+    running = []
+    for qs in starts:
+        qe = min(qs + query_block, s)
+        if initial is None:
+            empty = torch.empty(qe - qs, 0, device=device)
+            running.append((empty, empty.long()))
+        else:
+            running.append((initial[0][qs:qe], initial[1][qs:qe]))
+    for first, last, numbers, block in blocks:
+        for b, qs in enumerate(starts):
+            qe = min(qs + query_block, s)
+            if query_start is not None and first > query_start + qe - 1:
+                continue  # every key of the block is in the future of these queries
+            block_values = _index_scores(q[qs:qe], weights[qs:qe], block, scale)
+            if query_start is not None and last > query_start + qs:
+                block_values = block_values.masked_fill(numbers[None, :] > query_pos[qs:qe, None], float("-inf"))
+            values = torch.cat([running[b][0], block_values], dim=1)
+            keys = torch.cat([running[b][1], numbers[None, :].expand(qe - qs, -1)], dim=1)
+            running[b] = _keep_topk(values, keys, topk) if values.shape[1] > topk else (values, keys)
+    running = [_keep_topk(v, k, topk) if v.shape[1] > topk else (v, k) for v, k in running]
+    width = max(v.shape[1] for v, _ in running)
+    padded = [_pad_columns(v, k, width) for v, k in running]
+    return torch.cat([v for v, _ in padded]), torch.cat([k for _, k in padded])
+
+
+def _dense_selection(s: int, query_start: int, total: int, topk: int, device) -> torch.Tensor:
+    """The selection `[S, min(topk, total)]` when no query sees more than `topk` keys: every visible key."""
+    keys = torch.arange(min(topk, total), device=device)[None, :].expand(s, -1)
+    return keys.masked_fill(keys > torch.arange(query_start, query_start + s, device=device)[:, None], -1)
+
+
+def _selection(values: torch.Tensor, keys: torch.Tensor, width: int) -> torch.Tensor:
+    """Candidates `[S, m]` -> selection `[S, width]`: the key numbers of the finite candidates, `-1` elsewhere.
+
+    `m` may exceed `width` only by candidates of no key, which sort last."""
+    keys = keys.masked_fill(values == float("-inf"), -1)
+    if keys.shape[1] > width:
+        keys = keys.sort(dim=1, descending=True).values[:, :width]
+    return torch.cat([keys, keys.new_full((keys.shape[0], width - keys.shape[1]), -1)], dim=1)
 
 
 def select_topk(
@@ -137,39 +225,68 @@ def select_topk(
         sees fewer than `topk` keys. The order within a row is unspecified.
     """
     total = sum(part.shape[0] for part in key_parts)
-    s, heads = q.shape[:2]
-    device = q.device
-    query_pos = torch.arange(query_start, query_start + s, device=device)
-    width = min(topk, total)
+    s = q.shape[0]
     if query_start + s <= topk:
-        # No query sees more than topk keys: all visible keys are selected (dense causal attention).
-        keys = torch.arange(width, device=device)[None, :].expand(s, -1)
-        return keys.masked_fill(keys > query_pos[:, None], -1)
+        return _dense_selection(s, query_start, total, topk, q.device)
+    numbered, first = [], 0
+    for part in key_parts:
+        numbered.append((first, part))
+        first += part.shape[0]
     key_block = min(INDEX_KEY_BLOCK, total)
-    query_block = max(1, INDEX_TILE // (heads * key_block))
-    starts = list(range(0, s, query_block))
-    # Running (values, key numbers) `[Q, <= topk]` of each query block, in key order.
-    running = []
-    for qs in starts:
-        rows = min(qs + query_block, s) - qs
-        running.append((q.new_empty(rows, 0, dtype=torch.float32), query_pos.new_empty(rows, 0)))
-    for first, block in _key_blocks(key_parts, key_block):
-        block_keys = torch.arange(first, first + block.shape[0], device=device)
-        for b, qs in enumerate(starts):
-            qe = min(qs + query_block, s)
-            if first > query_start + qe - 1:
-                continue  # every key of the block is in the future of these queries
-            block_values = _index_scores(q[qs:qe], weights[qs:qe], block, scale)
-            if first + block.shape[0] - 1 > query_start + qs:
-                future = block_keys[None, :] > query_pos[qs:qe, None]
-                block_values = block_values.masked_fill(future, float("-inf"))
-            values = torch.cat([running[b][0], block_values], dim=1)
-            keys = torch.cat([running[b][1], block_keys[None, :].expand(qe - qs, -1)], dim=1)
-            running[b] = _keep_topk(values, keys, topk) if values.shape[1] > topk else (values, keys)
-    out = torch.full((s, width), -1, dtype=torch.long, device=device)
-    for (values, keys), qs in zip(running, starts, strict=True):
-        out[qs : qs + values.shape[0], : keys.shape[1]] = keys.masked_fill(values == float("-inf"), -1)
-    return out
+    blocks = _key_blocks(numbered, key_block)
+    return _selection(*_running_topk(q, weights, blocks, query_start, topk, scale, key_block), min(topk, total))
+
+
+def sharded_select_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    prefix_keys: list[torch.Tensor | None],
+    starts: list[int],
+    own_keys: torch.Tensor,
+    topk: int,
+    scale: float,
+    shards: PromptShards,
+) -> torch.Tensor:
+    """`select_topk` over a prefix whose chunks are spread over the ranks of `shards`: the top-k is global.
+
+    Every rank scores every rank's (gathered) queries against the index keys of its own chunks and keeps its best
+    `topk` candidates per query; the candidates go back to the query owners (all-to-all), which merge them in key
+    order with their own tokens' keys, so ties break as unsharded (a query's global top-k under the order "higher
+    score, then earlier key" is the top-k of the ranks' top-ks). Collective: every rank of the group calls it for the
+    same layer of the same pass.
+
+    Args:
+        q, weights: `[S, H, D]` and `[S, H]` this rank's queries (`S = shards.lengths[rank]`).
+        prefix_keys: index keys `[n_c, D]` of each visible prefix chunk, None for chunks held by other ranks.
+        starts: the first key number of each prefix chunk, then the prefix length (`len(prefix_keys) + 1` values).
+        own_keys: `[S, D]` index keys of the queries' own tokens, numbered from the prefix length.
+
+    Returns:
+        `[S, min(topk, P + max(shards.lengths))]` as `select_topk` (`P` the prefix length): the same width on every
+        rank, padded with `-1`.
+    """
+    s, prefix_len = q.shape[0], starts[-1]
+    # One width on every rank, as `sharded_latent_attention` exchanges selections.
+    width = min(topk, prefix_len + max(shards.lengths))
+    if prefix_len + max(shards.lengths) <= topk:  # the same on every rank, so either all communicate or none
+        return _dense_selection(s, prefix_len, prefix_len + max(shards.lengths), topk, q.device)
+    held = [(starts[c], keys) for c, keys in enumerate(prefix_keys) if keys is not None]
+    key_block = min(INDEX_KEY_BLOCK, max(1, sum(keys.shape[0] for _, keys in held)))
+    everyone = gather_tokens(q, shards).flatten(0, 1)  # [W * Tmax, H, D]
+    everyone_weights = gather_tokens(weights, shards).flatten(0, 1)
+    blocks = _key_blocks(held, key_block)
+    values, keys = _running_topk(everyone, everyone_weights, blocks, None, topk, scale, key_block)
+    values, keys = _pad_columns(values, keys, topk)
+    world, tmax = shards.world, max(shards.lengths)
+    # [W, S, topk] candidates of each rank -> [S, W * topk], in key order (no key last).
+    values = return_tokens(values.view(world, tmax, topk), shards).transpose(0, 1).reshape(s, world * topk)
+    keys = return_tokens(keys.view(world, tmax, topk), shards).transpose(0, 1).reshape(s, world * topk)
+    order = torch.where(keys < 0, prefix_len, keys).argsort(dim=1, stable=True)
+    values, keys = values.gather(1, order), keys.gather(1, order)
+    own_block = min(INDEX_KEY_BLOCK, s)
+    blocks = _key_blocks([(prefix_len, own_keys)], own_block)
+    merged = _running_topk(q, weights, blocks, prefix_len, topk, scale, own_block, initial=(values, keys))
+    return _selection(*merged, width)
 
 
 def reference_select(index_scores: torch.Tensor, query_start: int, topk: int) -> torch.Tensor:
@@ -224,6 +341,11 @@ def _latent_scores(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: 
     return (torch.einsum("qhd,qkd->qhk", q, kv) * scale).masked_fill((idx < 0)[:, None, :], float("-inf"))
 
 
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """`lse` with the `-inf` of queries that selected no key replaced by 0, so that `exp(scores - lse)` is 0 there."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale: float, rank: int, sel, q, *parts):
@@ -240,13 +362,14 @@ class _SparseLatentAttention(torch.autograd.Function):
             kv = _Routing(idx.reshape(-1), sizes).gather(parts, acc).view(qe - qs, k, -1)
             scores = _latent_scores(q[qs:qe].to(acc), kv, idx, scale)
             lse[qs:qe] = torch.logsumexp(scores, dim=-1)
-            out[qs:qe] = torch.einsum("qhk,qkr->qhr", torch.exp(scores - lse[qs:qe, :, None]), kv[..., :rank])
+            p = torch.exp(scores - _finite(lse[qs:qe])[:, :, None])
+            out[qs:qe] = torch.einsum("qhk,qkr->qhr", p, kv[..., :rank])
         ctx.scale, ctx.rank = scale, rank
         ctx.save_for_backward(sel, q, out, lse, *parts)
-        return out.to(q.dtype)
+        return out.to(q.dtype), lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         sel, q, out, lse, *parts = ctx.saved_tensors
         scale, rank = ctx.scale, ctx.rank
         need = ctx.needs_input_grad[4:]
@@ -254,7 +377,9 @@ class _SparseLatentAttention(torch.autograd.Function):
         acc = out.dtype
         s, k = sel.shape
         dout = grad_out.to(acc)
-        delta = (dout * out).sum(-1)  # [S, H]
+        # d lse / d scores = p, so the gradient of the log-sum-exp joins that of the output's normalisation.
+        delta = (dout * out).sum(-1) - (0 if grad_lse is None else grad_lse.to(acc))  # [S, H]
+        lse = _finite(lse)
         dq = torch.empty(q.shape, dtype=acc, device=q.device)
         dparts: list[torch.Tensor | None] = [None] * len(parts)
         block = max(1, ATTN_SLOTS // k)
@@ -283,14 +408,79 @@ def sparse_latent_attention(
     Args:
         q: `[S, H, R + Dr]` per head the nope query folded through `W_uk` into latent space, then the rope query.
         kv_parts: `[n_i, R + Dr]` latent and rope key rows of each part (prefix chunks, then own tokens).
-        sel: `[S, k]` selected key numbers across the parts, `-1` for none; every row selects at least one key.
+        sel: `[S, k]` selected key numbers across the parts, `-1` for none. A row with no key gets a zero output (and
+            a log-sum-exp of `-inf`, which `sharded_latent_attention` uses to merge parts).
         scale: softmax scale.
         rank: `R`, the latent width (the values are the first `R` columns of the rows).
 
     Returns:
         `[S, H, R]` softmax-weighted latents (to be unfolded through `W_uv`), in the dtype of `q`.
     """
-    return _SparseLatentAttention.apply(scale, rank, sel, q, *kv_parts)
+    return _SparseLatentAttention.apply(scale, rank, sel, q, *kv_parts)[0]
+
+
+def _localize(sel: torch.Tensor, starts: list[int], held: list[bool]) -> torch.Tensor:
+    """Maps global prefix key numbers `sel` `[M, k]` to rows of the concatenated chunks this rank holds (`held[c]`
+    for chunk `c`, which starts at key `starts[c]`); `-1` for keys held elsewhere, own tokens and empty slots."""
+    first = torch.tensor(starts[:-1], device=sel.device)
+    offsets, offset = [], 0
+    for c, mine in enumerate(held):
+        offsets.append(offset if mine else -1)
+        offset += (starts[c + 1] - starts[c]) if mine else 0
+    offsets = torch.tensor(offsets, device=sel.device)
+    inside = (sel >= 0) & (sel < starts[-1])
+    key = sel.clamp(0, starts[-1] - 1)
+    chunk = torch.searchsorted(first, key, right=True) - 1
+    row = offsets[chunk] + key - first[chunk]
+    return torch.where(inside & (offsets[chunk] >= 0), row, -1)
+
+
+def sharded_latent_attention(
+    q: torch.Tensor,
+    prefix_kv: list[torch.Tensor | None],
+    starts: list[int],
+    own_kv: torch.Tensor,
+    sel: torch.Tensor,
+    scale: float,
+    rank: int,
+    shards: PromptShards,
+) -> torch.Tensor:
+    """`sparse_latent_attention` over a prefix whose chunks are spread over the ranks of `shards`.
+
+    Every rank attends every rank's (gathered) queries to the keys they selected among its own chunks; the partial
+    latents and log-sum-exps go back to the query owners (all-to-all) and merge there with the part over the
+    queries' own tokens. The collectives are differentiable, so the backward is the same exchange in reverse and
+    each chunk's gradient stays with the rank that holds it. Collective: every rank of the group calls it for the
+    same layer of the same pass.
+
+    Args:
+        q: `[S, H, R + Dr]` absorbed queries of this rank (`S = shards.lengths[rank]`).
+        prefix_kv: `[n_c, R + Dr]` rows of each visible prefix chunk, None for chunks held by other ranks.
+        starts: the first key number of each prefix chunk, then the prefix length.
+        own_kv: `[S, R + Dr]` rows of the queries' own tokens, numbered from the prefix length.
+        sel: `[S, k]` global selection (`sharded_select_topk`), `k` the same on every rank.
+
+    Returns:
+        `[S, H, R]` in the dtype of `q`.
+    """
+    prefix_len = starts[-1]
+    own = torch.where(sel >= prefix_len, sel - prefix_len, -1)
+    out, lse = _SparseLatentAttention.apply(scale, rank, own, q, own_kv)
+    if prefix_len == 0:  # the same on every rank: the ranks hold the same prompt
+        return out
+    world, tmax, k = shards.world, max(shards.lengths), sel.shape[1]
+    everyone = gather_tokens(q, shards).flatten(0, 1)  # [W * Tmax, H, R + Dr]
+    with torch.no_grad():
+        everyone_sel = gather_tokens(sel, shards).view(world * tmax, k)
+        mine = _localize(everyone_sel, starts, [kv is not None for kv in prefix_kv])
+    held = [kv for kv in prefix_kv if kv is not None] or [own_kv.new_zeros(0, own_kv.shape[1])]
+    part, part_lse = _SparseLatentAttention.apply(scale, rank, mine, everyone, *held)
+    packed = torch.cat([part.to(lse.dtype), part_lse[..., None]], dim=-1).view(world, tmax, *part_lse.shape[1:], -1)
+    received = return_tokens(packed, shards)  # [W, S, H, R + 1]
+    lses = torch.cat([lse[None], received[..., rank]])  # [W + 1, S, H]
+    total = torch.logsumexp(lses, dim=0)  # finite: every query selects at least one key
+    weights = torch.exp(lses - total)[..., None]
+    return (weights * torch.cat([out[None].to(lse.dtype), received[..., :rank]])).sum(0).to(q.dtype)
 
 
 def reference_latent_attention(
@@ -373,30 +563,34 @@ def longstraw_attention_forward(
     kv = torch.cat([self.kv_a_layernorm(kv_pass)[0], k_rot[0, 0]], dim=-1)  # [S, R + Dr]
 
     records = p.read(self.layer_idx)
-    prefix_len = sum(record[0].shape[0] for record in records)
+    # Key numbers of the prefix chunks; with a sharded state, `records` holds None for chunks of other ranks.
+    starts = p.chunk_starts()
     if self.indexer is not None:
         with torch.no_grad():
             index_q, index_weights, index_key = _indexer(self.indexer, hidden_states, q_resid, cos, sin)
-            sel = select_topk(
-                index_q,
-                index_weights,
-                [record[1] for record in records] + [index_key],
-                prefix_len,
-                self.indexer.index_topk,
-                self.indexer.softmax_scale,
-            )
-        p.emit(self.layer_idx, (kv, index_key))
+            index_args = (self.indexer.index_topk, self.indexer.softmax_scale)
+            if p.shard is None:
+                index_keys = [record[1] for record in records] + [index_key]
+                sel = select_topk(index_q, index_weights, index_keys, starts[-1], *index_args)
+            else:
+                index_keys = [None if record is None else record[1] for record in records]
+                sel = sharded_select_topk(index_q, index_weights, index_keys, starts, index_key, *index_args, p.shard)
+        p.emit(self.layer_idx, (kv, index_key), sharded=True)
     else:
         if prev_topk_indices is None:
             raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
         sel = prev_topk_indices
-        p.emit(self.layer_idx, (kv,))
+        p.emit(self.layer_idx, (kv,), sharded=True)
 
     w_kv = _dense_weight(self.kv_b_proj, like=q_pass).view(heads, nope + self.v_head_dim, self.kv_lora_rank)
     q_lat = torch.einsum("hsd,hdr->shr", q_pass[0], w_kv[:, :nope])
     q_abs = torch.cat([q_lat, q_rot[0].transpose(0, 1)], dim=-1)  # [S, H, R + Dr]
-    kv_parts = [record[0] for record in records] + [kv]
-    o_lat = sparse_latent_attention(q_abs, kv_parts, sel, self.scaling, self.kv_lora_rank)
+    if p.shard is None:
+        kv_parts = [record[0] for record in records] + [kv]
+        o_lat = sparse_latent_attention(q_abs, kv_parts, sel, self.scaling, self.kv_lora_rank)
+    else:
+        prefix_kv = [None if record is None else record[0] for record in records]
+        o_lat = sharded_latent_attention(q_abs, prefix_kv, starts, kv, sel, self.scaling, self.kv_lora_rank, p.shard)
     out = torch.einsum("shr,hvr->shv", o_lat, w_kv[:, nope:]).reshape(1, s, heads * self.v_head_dim)
     return self.o_proj(out), None, sel
 
@@ -407,6 +601,10 @@ class GlmMoeDsaAdapter:
     Records per layer and chunk: `(kv [n, kv_lora_rank + qk_rope_head_dim], index_key [n, index_head_dim])`, without
     `index_key` on `"shared"` indexer layers.
     """
+
+    # Every record is per token: MLA rows and index keys shard by chunk, and the DSA top-k is taken across the shards
+    # (`sharded_select_topk`, `sharded_latent_attention`).
+    shards_prompt_state = True
 
     def __init__(self, causal_lm: PreTrainedModel):
         config = causal_lm.config.get_text_config()

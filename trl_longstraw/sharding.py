@@ -169,6 +169,49 @@ def _all_gather(x: torch.Tensor, world: int, group) -> torch.Tensor:
     return out
 
 
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, world: int, group):
+        ctx.group = group
+        out = x.new_empty(world, *x.shape)
+        dist.all_gather_into_tensor(out, x.contiguous()[None], group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Rank `j` holds the gradient of every rank's rows: each rank gets its own rows back and sums them.
+        return _all_to_all(grad, ctx.group).sum(0), None, None
+
+
+class _ReturnTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # An all-to-all is a permutation whose inverse is the all-to-all of the gradients.
+        return _all_to_all(grad, ctx.group), None
+
+
+def gather_tokens(x: torch.Tensor, shards: PromptShards) -> torch.Tensor:
+    """Every rank's tokens, stacked: `x` `[T, ...]` (`T = shards.lengths[rank]`) -> `[W, Tmax, ...]`, zero-padded.
+
+    Collective; differentiable (the backward returns each rank the gradient of its own rows, summed over ranks).
+    """
+    return _GatherTokens.apply(_pad_t(x, max(shards.lengths), 0), shards.world, shards.group)
+
+
+def return_tokens(x: torch.Tensor, shards: PromptShards) -> torch.Tensor:
+    """The inverse exchange of `gather_tokens`: `x` `[W, Tmax, ...]`, whose slice `j` was computed for the tokens of
+    rank `j`, is sent to rank `j`; returns `[W, T, ...]` whose slice `s` came from rank `s`.
+
+    Collective; differentiable.
+    """
+    return _ReturnTokens.apply(x, shards.group)[:, : shards.lengths[shards.rank]]
+
+
 def _pad_t(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
     """Zero-pads dimension `dim` of `x` to length `t`."""
     if x.shape[dim] == t:
