@@ -11,7 +11,8 @@ runs these scenarios on them:
 - `fsdp2_detached`: the same model, detached mode, `B`;
 - `sharded_exact` / `sharded_detached`: DDP with the prompt state sharded over both ranks, micro-batch `S` (the
   ranks hold the same prompts, different completions); `sharded_exact` with non-reentrant gradient checkpointing;
-- `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state, `S`;
+- `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state, `S`: the ranks run in lockstep, so FSDP2
+  gathers and frees each layer pass by pass (how many other layers are gathered during a prefill is recorded);
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
   has no gradient to back-propagate;
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, and the glm_moe_dsa sharded
@@ -306,6 +307,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     from trl.trainer.utils import add_fused_lm_head
 
     from trl_longstraw import LongStrawGRPOTrainer
+    from trl_longstraw.distributed import _param_groups_of
 
     log: list = []
     batches = torch.load(batches_path)
@@ -323,7 +325,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     trainer._prepare_inputs = lambda x: x
     trainer.current_gradient_accumulation_steps = 1
     count_collectives(log)
-    results: dict = {"collectives": {}, "state_bytes": {}}
+    results: dict = {"collectives": {}, "state_bytes": {}, "others_gathered": {}}
     attention_errors = sharded_attention_errors(rank, world) | sharded_dsa_errors(rank, world)
 
     def full_grads(model) -> dict[str, torch.Tensor]:
@@ -372,6 +374,17 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
     assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
+    # While a decoder layer runs without autograd (prefill), how many other decoder layers hold gathered parameters:
+    # all of them when the engine gathers once per call, none when FSDP2 gathers pass by pass.
+    others_gathered: list[int] = []
+
+    def watch(module, args):
+        if not torch.is_grad_enabled():
+            others = [layer for layer in fsdp.model.layers if layer is not module]
+            others_gathered.append(sum(g.is_unsharded for layer in others for g in _param_groups_of(layer)))
+
+    for layer in fsdp.model.layers:
+        layer.register_forward_pre_hook(watch)
     for name, mode, micro_batches in [("fsdp2_exact", "exact", "AB"), ("fsdp2_detached", "detached", "B")]:
         start = len(log)
         fsdp.zero_grad(set_to_none=True)
@@ -381,6 +394,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results[name] = full_grads(fsdp)
         results["collectives"][name] = log[start:]
         assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
+    results["others_gathered"]["fsdp2"] = max(others_gathered)
 
     # Sharded prompt state (over DDP).
     set_sharded(True)
@@ -397,9 +411,11 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     start = len(log)
     fsdp.zero_grad(set_to_none=True)
     fsdp.set_requires_gradient_sync(True)
+    others_gathered.clear()
     step(fsdp, batches["S"], "exact")
     results["fsdp2_sharded_exact"] = full_grads(fsdp)
     results["collectives"]["fsdp2_sharded_exact"] = log[start:]
+    results["others_gathered"]["fsdp2_sharded_exact"] = max(others_gathered)
     # An idle rank: nothing to back-propagate on rank 1 (micro-batch C, beta = 0), sharded or not.
     trainer.beta = 0.0
     for name, model, sharded in [
@@ -431,12 +447,14 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
 
     # Gather what rank 1 saw: its logps, collective sequences and state sizes.
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (logps, results["collectives"], results["state_bytes"], attention_errors))
+    mine = (logps, results["collectives"], results["state_bytes"], attention_errors, results["others_gathered"])
+    dist.all_gather_object(everyone, mine)
     if rank == 0:
         results["sharded_logps"] = [e[0] for e in everyone]
         results["collectives"] = [e[1] for e in everyone]
         results["state_bytes"] = [e[2] for e in everyone]
         results["attention_errors"] = [e[3] for e in everyone]
+        results["others_gathered"] = [e[4] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

@@ -171,6 +171,17 @@ def test_sharded_state_is_split(launch):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_fsdp2_per_pass_under_sharded_state(launch):
+    """With the prompt state sharded over every rank (lockstep), FSDP2 gathers each layer for its pass and frees it:
+    while a layer runs the prefill, no other decoder layer is gathered. Without it, the engine gathers every layer
+    once per call (all others gathered), so the probe tells the two apart."""
+    results = _results(launch)
+    for per_rank in results["others_gathered"]:
+        assert per_rank["fsdp2"] >= 1
+        assert per_rank["fsdp2_sharded_exact"] == 0
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_sharded_attention_fp64(launch):
     """`sharded_prefix_attention` equals `prefix_merge_attention` over the whole prefix, and glm_moe_dsa's sharded
     DSA selection and latent attention their unsharded references (the same keys selected, ties included), outputs

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, GlmMoeDsaConfig, LlamaConfig, Qwe
 from tests.tolerances import PARAM_COUNT_RTOL, STATE_FIXED_RTOL
 from trl_longstraw import plan
 from trl_longstraw.plan import (
+    ModelStats,
     Setup,
     estimate,
     largest_positions,
@@ -188,12 +189,9 @@ def test_activation_estimate_covers_saved_tensors():
 
 
 # ----------------------------------------------------------------------------------------------- largest positions
-@pytest.mark.parametrize("name", ["qwen3.6-27b", "glm-5.2"])
-@pytest.mark.parametrize("mode", ["exact", "detached"])
-@pytest.mark.parametrize("shard", [False, True])
-def test_largest_positions_is_exact(preset_stats, name, mode, shard):
-    _, stats = preset_stats[name]
-    setup = Setup(
+def _h200x32(mode: str, shard: bool) -> Setup:
+    """32 GPUs of 141 GB, bf16 weights and gradients."""
+    return Setup(
         positions=1,
         mode=mode,
         gpus=32,
@@ -204,15 +202,41 @@ def test_largest_positions_is_exact(preset_stats, name, mode, shard):
         grad_bytes=2,
         optimizer_bytes=4,
     )
-    if name == "glm-5.2":  # LoRA: full fine-tuning of GLM-5.2 does not fit 32 GPUs at any length
-        config = preset_stats[name][0]
-        with torch.device("meta"):
-            stats = model_stats(AutoModelForCausalLM.from_config(config), config, lora_rank=8)
+
+
+def _glm_lora(preset_stats) -> ModelStats:
+    """GLM-5.2 with LoRA rank 8: full fine-tuning of GLM-5.2 does not fit 32 GPUs at any length."""
+    config = preset_stats["glm-5.2"][0]
+    with torch.device("meta"):
+        return model_stats(AutoModelForCausalLM.from_config(config), config, lora_rank=8)
+
+
+# GLM-5.2 without a sharded prompt state is `test_whole_model_gather_without_sharded_state`: nothing fits.
+@pytest.mark.parametrize(
+    ("name", "shard"), [("qwen3.6-27b", False), ("qwen3.6-27b", True), ("glm-5.2", True)], ids=str
+)
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_largest_positions_is_exact(preset_stats, name, mode, shard):
+    stats = _glm_lora(preset_stats) if name == "glm-5.2" else preset_stats[name][1]
+    setup = _h200x32(mode, shard)
     longest = largest_positions(stats, setup)
     assert 1 < longest < plan.MAX_POSITIONS
     assert estimate(stats, replace(setup, positions=longest)).fits
     assert not estimate(stats, replace(setup, positions=longest + 1)).fits
     assert not estimate(stats, replace(setup, positions=longest + setup.prefill_chunk_size)).fits
+
+
+def test_whole_model_gather_without_sharded_state(preset_stats):
+    """Without a sharded prompt state the ranks run different passes, so FSDP2 holds the whole model and its
+    gradient during the engine's work: GLM-5.2 (1.5 TB in bf16) fits at no length, while per-pass gathering (the
+    sharded state's lockstep) holds the root module and two layers."""
+    stats = _glm_lora(preset_stats)
+    setup = replace(_h200x32("detached", False), positions=1000)
+    gathered = {item.name: item.nbytes for item in estimate(stats, setup).items}["FSDP all-gathered"]
+    per_pass = {item.name: item.nbytes for item in estimate(stats, replace(setup, shard_prompt_state=True)).items}
+    assert gathered == (stats.total_params + stats.trainable_params) * 2
+    assert per_pass["FSDP all-gathered"] < gathered / 10
+    assert largest_positions(stats, setup) == 0
 
 
 def test_largest_positions_is_zero_when_nothing_fits(preset_stats):
@@ -223,7 +247,10 @@ def test_largest_positions_is_zero_when_nothing_fits(preset_stats):
 
 
 def test_suggestions_report_their_own_verdicts(preset_stats):
-    _, stats = preset_stats["qwen3.6-27b"]
+    # LoRA: unsharded, the whole 27B model is gathered under FSDP (54 GB in bf16), which leaves room for a prompt.
+    config = preset_stats["qwen3.6-27b"][0]
+    with torch.device("meta"):
+        stats = model_stats(AutoModelForCausalLM.from_config(config), config, lora_rank=8)
     setup = Setup(positions=2_100_000, mode="exact", gpus=8, gpu_memory=96 * 10**9)
     lines = plan.suggestions(estimate(stats, setup))
     detached = [s for s in lines if s.startswith("prompt_gradient='detached'")]

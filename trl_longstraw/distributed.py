@@ -115,25 +115,38 @@ def finish_ddp(model: torch.nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------ FSDP2
+def _param_groups_of(module) -> list:
+    """The FSDP parameter groups of `module` itself, not of its FSDP submodules. FSDP2 exposes no public accessor."""
+    state = module._get_fsdp_state()
+    return getattr(state, "_fsdp_param_groups", None) or [g for g in [state._fsdp_param_group] if g is not None]
+
+
 def _param_groups(root) -> Iterator:
-    """Every FSDP parameter group under `root`, in module order. FSDP2 exposes no public accessor for these."""
+    """Every FSDP parameter group under `root`, in module order."""
     cls = _fsdp_module_class()
     for module in root.modules():
         if isinstance(module, cls):
-            state = module._get_fsdp_state()
-            yield from getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+            yield from _param_groups_of(module)
 
 
 _GROUP_FLAGS = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grads", "all_reduce_grads")
 
 
 @contextlib.contextmanager
-def fsdp2_gathered(model: torch.nn.Module, sync_pass: Callable[[], None] | None = None):
-    """Runs the block with every FSDP2 module of `model` unsharded and no collective in forward or backward.
+def fsdp2_gathered(model: torch.nn.Module, sync_pass: Callable[[], None] | None = None, per_pass: bool = False):
+    """Runs the engine's passes of the block under FSDP2, then reduces the gradients they accumulated.
+
+    Default (*gathered*): every FSDP2 module of `model` is unsharded once, with no collective in the passes'
+    forwards and backwards, so ranks may run different numbers of passes. With `per_pass`, only the root module's
+    own parameters (embeddings, final norm, head: the prefill and reverse pass call the backbone, not the root) stay
+    gathered; every other module is all-gathered and resharded by FSDP2 around each pass and reduce-scatters its
+    gradient after each backward (unless the caller turned gradient sync off), so a rank never holds more than a
+    couple of layers' parameters and gradients. That issues collectives in every pass: the caller guarantees that
+    every rank of the FSDP mesh runs the same passes (the sharded prompt state's lockstep).
 
     With `sync_pass` (a callable running one zero-weight forward and backward through the root), the gradients the
-    block accumulated are then reduced with the caller's reduction settings, if those ask for a reduction. Nothing
-    happens without an FSDP2 module.
+    block accumulated unreduced are then reduced with the caller's reduction settings, if those ask for a reduction.
+    Nothing happens without an FSDP2 module.
     """
     root = fsdp2_root(model)
     if root is None:
@@ -145,13 +158,20 @@ def fsdp2_gathered(model: torch.nn.Module, sync_pass: Callable[[], None] | None 
     groups = list(_param_groups(root))
     saved = [{name: getattr(g, name) for name in _GROUP_FLAGS + ("reduce_scatter_unused_params",)} for g in groups]
     modules = [m for m in root.modules() if isinstance(m, _fsdp_module_class())]
-    try:
+    if per_pass:
+        held, modules = _param_groups_of(root), [root]
+        # A MoE expert unused on one rank still joins every reduce-scatter, so the ranks' collectives match.
         for g in groups:
+            g.reduce_scatter_unused_params = True
+    else:
+        held = groups
+    try:
+        for g in held:
             g.post_forward_mesh_info = None  # no reshard after forward
             g.reshard_after_backward = False
             g.reduce_grads = False
             g.all_reduce_grads = False
-        for m in modules:  # the only all-gathers: once per module, same order on every rank
+        for m in modules:  # gathered: the only all-gathers, once per module, in the same order on every rank
             m.unshard()
         yield
         if sync_pass is not None and any(s["reduce_grads"] for s in saved):

@@ -18,11 +18,13 @@ position `pad`, exactly as the padded full-sequence forward does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .distributed import branch_model, finish_ddp, fsdp2_gathered
@@ -230,6 +232,9 @@ class Engine:
         self.chunk_size = chunk_size
         self.progress = progress
         self.shards = shards
+        # A prompt state sharded over every process runs all ranks in lockstep, so FSDP2 can gather and free the
+        # parameters pass by pass instead of holding them all (`distributed.fsdp2_gathered`).
+        self.fsdp_per_pass = shards is not None and shards.world == dist.get_world_size()
         self.stats = StepStats()
         # The state of the last prompt prefilled, reused when the next request is for the same prompt
         # (scoring pass, then backward pass of the same micro-batch).
@@ -313,13 +318,18 @@ class Engine:
                     if self.shards is not None:
                         self.shards.replicated(end - start)
                     with use_pass(p), torch.enable_grad():
-                        self._backbone()(
+                        hidden = self._backbone()(
                             input_ids=prefix[None, start:end],
                             position_ids=self._positions(group.pad + start, end - start, prefix.device),
                             use_cache=False,
-                        )
+                        ).last_hidden_state
                         captured, p.sink = p.sink, None
                         outputs, grads = [], []
+                        if self.shards is not None:
+                            # A zero seed on the output: under per-pass FSDP2 the last layer's parameters are
+                            # gathered again for backward by a hook on its output, which the records alone never reach.
+                            outputs.append(hidden)
+                            grads.append(torch.zeros_like(hidden))
                         for layer, recomputed_record in captured.items():
                             record = own.get(layer)
                             for i, recomputed in enumerate(recomputed_record):
@@ -421,7 +431,7 @@ class Engine:
         against its state, a single longer branch alone (old-policy and reference log-probs); with 0 each branch
         runs alone, exactly as `backward` replays it, so the loss pass sees the same values in both.
         """
-        with fsdp2_gathered(self.model):
+        with fsdp2_gathered(self.model, per_pass=self.fsdp_per_pass):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
             return self._score(*prompt, *completion, keep_last, batch_tokens, boundaries)
 
@@ -483,7 +493,8 @@ class Engine:
 
         Under data parallelism the gradient is reduced once, at the end, unless the wrapper is in `no_sync`.
         """
-        with fsdp2_gathered(self.model, sync_pass=lambda: self._sync_pass(prompt_ids.device)):
+        sync_pass = functools.partial(self._sync_pass, prompt_ids.device)
+        with fsdp2_gathered(self.model, sync_pass=sync_pass, per_pass=self.fsdp_per_pass):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
             self._backward(*prompt, *completion, grad_logps, grad_entropies, exact, backward_fn)
         finish_ddp(self.model)

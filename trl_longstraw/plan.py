@@ -272,6 +272,7 @@ class ModelStats:
         total_activation_elems: per token, the same summed over layers.
         state_per_token: prompt-state bytes per prompt token (bf16 records).
         state_fixed: prompt-state bytes independent of the length (recurrent states).
+        root_trainable: trainable parameters outside the decoder layers.
     """
 
     total_params: int
@@ -285,6 +286,7 @@ class ModelStats:
     total_activation_elems: int
     state_per_token: int
     state_fixed: int
+    root_trainable: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -348,6 +350,7 @@ def model_stats(
         total_activation_elems=sum(acts),
         state_per_token=per_token,
         state_fixed=fixed,
+        root_trainable=0 if lora_rank else trainable(causal_lm) - sum(trainable(layer) for layer in layers),
     )
 
 
@@ -491,14 +494,27 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             + (f", sharded /{shards}" if shards > 1 else ""),
         ),
     ]
-    if shards > 1:
-        gathered = (s.root_params + 2 * s.largest_layer_params + s.largest_layer_trainable) * u.compute_bytes
+    if shards > 1 and u.shard_prompt_state:
+        # Lockstep passes: FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the
+        # root's own parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass.
+        gathered = s.root_params + s.root_trainable + 2 * s.largest_layer_params + s.largest_layer_trainable
         items.append(
             Item(
                 "FSDP all-gathered",
-                gathered,
-                "root module (embeddings, head) + 2 largest layers (current, prefetched) + 1 layer's unsharded "
-                f"gradient, {u.compute_bytes} B each",
+                gathered * u.compute_bytes,
+                "per pass: root module (embeddings, head) and its unreduced gradient + 2 largest layers (current, "
+                f"prefetched) + 1 layer's unsharded gradient, {u.compute_bytes} B each",
+            )
+        )
+    elif shards > 1:
+        # Ranks run different passes, so the engine gathers the whole model once per call and reduces the gradient
+        # once per micro-batch (docs/distributed.md).
+        items.append(
+            Item(
+                "FSDP all-gathered",
+                (s.total_params + s.trainable_params) * u.compute_bytes,
+                "whole model + its unreduced gradient, gathered once per engine call (the prompt state is not "
+                f"sharded, so ranks run different passes), {u.compute_bytes} B each",
             )
         )
     tokens = state_tokens(u.positions)
