@@ -17,7 +17,8 @@ runs these scenarios on them:
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, in fp64.
 
 Rank 0 writes the full (gathered) parameter gradients, the logps of the sharded scoring, each rank's sequence of
-collective calls and the state sizes to `OUT`. The process group is destroyed and the process exits explicitly
+collective calls, the state sizes and the recurrent records each rank holds after a sharded exact-mode prefill to
+`OUT`. The process group is destroyed and the process exits explicitly
 (gloo runs of FSDP can abort in interpreter teardown after passing).
 """
 
@@ -188,6 +189,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     from trl.trainer.utils import add_fused_lm_head
 
     from trl_longstraw import LongStrawGRPOTrainer
+    from trl_longstraw.engine import group_prompts
 
     log: list = []
     batches = torch.load(batches_path)
@@ -304,6 +306,10 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     with torch.no_grad():
         logps, _ = engine.score(*scored)
     results["state_bytes"]["sharded"] = engine.stats.state_bytes
+    # An exact-mode prefill of the longest prompt of `S` (3 chunks): which chunks' recurrent records this rank holds.
+    longest = max(group_prompts(local["prompt_ids"], local["prompt_mask"]), key=lambda g: g.tokens.shape[0])
+    state = engine.prefill(longest, boundaries=True)
+    held = {layer: [c for c, r in enumerate(state.records[layer]) if r is not None] for layer in state.recurrent}
     set_sharded(False)
     engine = trainer._engine(ddp)
     engine.stats.reset()
@@ -313,12 +319,13 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
 
     # Gather what rank 1 saw: its logps, collective sequences and state sizes.
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (logps, results["collectives"], results["state_bytes"], attention_errors))
+    dist.all_gather_object(everyone, (logps, results["collectives"], results["state_bytes"], attention_errors, held))
     if rank == 0:
         results["sharded_logps"] = [e[0] for e in everyone]
         results["collectives"] = [e[1] for e in everyone]
         results["state_bytes"] = [e[2] for e in everyone]
         results["attention_errors"] = [e[3] for e in everyone]
+        results["boundaries"] = [e[4] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

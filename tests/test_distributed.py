@@ -19,6 +19,7 @@ import torch
 from datasets import Dataset
 from dist_worker import make_batches, trainer_config
 from tolerances import DIST_GRAD_RTOL, LOGP_ATOL, SHARDED_ATTN_ATOL_FP64
+from transformers import AutoConfig
 
 from trl_longstraw import LongStrawGRPOTrainer
 from trl_longstraw.adapters import ADAPTERS
@@ -154,7 +155,8 @@ def test_sharded_logps_match(launch, reference):
 def test_sharded_state_is_split(launch):
     """Rank 0 holds chunks 0 and 2 (7 of the 12 prefix tokens of the longest prompt), rank 1 chunk 1 (5 tokens).
 
-    Recurrent records (qwen3_5's Gated DeltaNet) are replicated: `fixed` bytes on both ranks, zero for llama.
+    Scoring keeps no chunk boundaries, so the one recurrent record per layer (qwen3_5's Gated DeltaNet) is the final
+    one, which every rank keeps: `fixed` bytes on both ranks, zero for llama.
     """
     results = _results(launch)
     (rank0, rank1) = results["state_bytes"]
@@ -164,6 +166,20 @@ def test_sharded_state_is_split(launch):
     assert (fixed == 0) if launch[0] == "llama" else (0 < fixed < unsharded)
     assert (rank0["sharded"] - fixed) * 12 == (unsharded - fixed) * 7
     assert (rank1["sharded"] - fixed) * 12 == (unsharded - fixed) * 5
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_sharded_boundaries_follow_chunk_owners(launch):
+    """Exact mode keeps chunk boundaries: after the prefill of a 3-chunk prompt, each recurrent layer's records of
+    chunks 0 and 1 are on their owners only (rank 0 and rank 1), and the final one (chunk 2) is on both ranks."""
+    results = _results(launch)
+    family, path = launch[:2]
+    layer_types = AutoConfig.from_pretrained(path).layer_types if family == "qwen3_5" else []
+    deltanets = {i for i, t in enumerate(layer_types) if t == "linear_attention"}
+    for rank, held in enumerate(results["boundaries"]):
+        assert set(held) == deltanets
+        for layer, chunks in held.items():
+            assert chunks == [rank, 2], f"rank {rank}, layer {layer}: holds the records of chunks {chunks}"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
@@ -193,6 +209,11 @@ def test_collectives_equal_across_ranks(launch, scenario):
         assert {"all_gather_single", "reduce_scatter_single"} <= names
     if "sharded" in scenario:
         assert {"all_gather_into_tensor", "all_to_all_single"} <= names
+    # The exact-mode reverse pass broadcasts the recurrent boundary at the start of every chunk but the first, from its
+    # owner: one fp32 buffer per chunk transition. `S` has prompts of 3 and 2 chunks, `C` two of 2 chunks.
+    transitions = {"sharded_exact": 3, "fsdp2_sharded_exact": 3, "sharded_idle_rank": 2}
+    expected = transitions.get(scenario, 0) if launch[0] == "qwen3_5" else 0
+    assert [name for name, _ in rank0].count("broadcast") == expected
 
 
 @pytest.mark.parametrize(
