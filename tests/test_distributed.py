@@ -183,6 +183,16 @@ def test_sharded_boundaries_follow_chunk_owners(launch):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_boundary_broadcast_mixed_dtypes(launch):
+    """`broadcast_boundary` on a bf16 conv tail and an fp32 state per layer (one buffer per dtype), in a process group
+    object: each rank receives the boundary it does not own (2 layers x 2 tensors) bit for bit, as leaves that require
+    grad."""
+    results = _results(launch)
+    for rank, (received, problems) in enumerate(results["boundary_broadcast"]):
+        assert received == 4 and not problems, f"rank {rank}: received {received} tensors; {problems}"
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_sharded_attention_fp64(launch):
     """`sharded_prefix_attention` equals `prefix_merge_attention` over the whole prefix, outputs and gradients; each
     prefix chunk's gradient reaches its owner whole."""
