@@ -16,10 +16,12 @@ runs these scenarios on them:
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
   has no gradient to back-propagate;
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, and the glm_moe_dsa sharded
-  selection and latent attention against their references, in fp64.
+  selection and latent attention against their references, in fp64; `PromptShards.broadcast_boundary` alone on
+  records of mixed dtypes.
 
 Rank 0 writes the full (gathered) parameter gradients, the logps of the sharded scoring, each rank's sequence of
-collective calls and the state sizes to `OUT`. The process group is destroyed and the process exits explicitly
+collective calls, the state sizes and the recurrent records each rank holds after a sharded exact-mode prefill to
+`OUT`. The process group is destroyed and the process exits explicitly
 (gloo runs of FSDP can abort in interpreter teardown after passing).
 """
 
@@ -298,6 +300,47 @@ def sharded_dsa_errors(rank: int, world: int) -> dict[str, float]:
     return errors
 
 
+def boundary_broadcast_problems(rank: int) -> tuple[int, list[str]]:
+    """Runs `PromptShards.broadcast_boundary` as the exact-mode reverse pass of a 3-chunk prompt does (boundary 1, then
+    boundary 0) on two recurrent layers in the dtypes of a bf16 model (conv tail `[1, 6, 3]` bf16, state
+    `[1, 2, 4, 4]` fp32: one buffer per dtype), within a process group object.
+
+    Returns:
+        The number of tensors this rank received, and the problems found with them: each must equal its owner's
+        record bit for bit, in its dtype, and be a leaf that requires grad.
+    """
+    from trl_longstraw.engine import PromptState
+    from trl_longstraw.sharding import PromptShards
+
+    shards = PromptShards(dist.new_group(list(range(dist.get_world_size()))))
+    g = torch.Generator().manual_seed(7)
+    layers = (1, 3)
+    full = {
+        layer: [(torch.randn(1, 6, 3, generator=g).bfloat16(), torch.randn(1, 2, 4, 4, generator=g)) for _ in range(3)]
+        for layer in layers
+    }
+    state = PromptState(boundaries=True, recurrent=set(layers))
+    # After the prefill: the boundaries of this rank's chunks, and the final one.
+    state.records = {
+        layer: [r if c == 2 or shards.owner(c) == rank else None for c, r in enumerate(records)]
+        for layer, records in full.items()
+    }
+    received, problems = 0, []
+    for chunk in (1, 0):
+        owned = shards.owner(chunk) == rank
+        shards.broadcast_boundary(state, chunk)
+        if owned:
+            continue
+        for layer in layers:
+            for i, (got, want) in enumerate(zip(state.records[layer][chunk], full[layer][chunk], strict=True)):
+                received += 1
+                if got.dtype != want.dtype or not torch.equal(got, want):
+                    problems.append(f"layer {layer} chunk {chunk} tensor {i}: differs from the owner's")
+                if not (got.is_leaf and got.requires_grad):
+                    problems.append(f"layer {layer} chunk {chunk} tensor {i}: not a leaf that requires grad")
+    return received, problems
+
+
 def main(model_path: str, batches_path: str, out_path: str) -> None:
     os.environ.setdefault("ACCELERATE_USE_CPU", "1")
     from datasets import Dataset
@@ -308,6 +351,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
 
     from trl_longstraw import LongStrawGRPOTrainer
     from trl_longstraw.distributed import _param_groups_of
+    from trl_longstraw.engine import group_prompts
 
     log: list = []
     batches = torch.load(batches_path)
@@ -327,6 +371,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     count_collectives(log)
     results: dict = {"collectives": {}, "state_bytes": {}, "others_gathered": {}}
     attention_errors = sharded_attention_errors(rank, world) | sharded_dsa_errors(rank, world)
+    boundary_broadcast = boundary_broadcast_problems(rank)
 
     def full_grads(model) -> dict[str, torch.Tensor]:
         grads = {}
@@ -438,6 +483,10 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     with torch.no_grad():
         logps, _ = engine.score(*scored)
     results["state_bytes"]["sharded"] = engine.stats.state_bytes
+    # An exact-mode prefill of the longest prompt of `S` (3 chunks): which chunks' recurrent records this rank holds.
+    longest = max(group_prompts(local["prompt_ids"], local["prompt_mask"]), key=lambda g: g.tokens.shape[0])
+    state = engine.prefill(longest, boundaries=True)
+    held = {layer: [c for c, r in enumerate(state.records[layer]) if r is not None] for layer in state.recurrent}
     set_sharded(False)
     engine = trainer._engine(ddp)
     engine.stats.reset()
@@ -447,14 +496,24 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
 
     # Gather what rank 1 saw: its logps, collective sequences and state sizes.
     everyone: list = [None] * world
-    mine = (logps, results["collectives"], results["state_bytes"], attention_errors, results["others_gathered"])
+    mine = (
+        logps,
+        results["collectives"],
+        results["state_bytes"],
+        attention_errors,
+        held,
+        boundary_broadcast,
+        results["others_gathered"],
+    )
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         results["sharded_logps"] = [e[0] for e in everyone]
         results["collectives"] = [e[1] for e in everyone]
         results["state_bytes"] = [e[2] for e in everyone]
         results["attention_errors"] = [e[3] for e in everyone]
-        results["others_gathered"] = [e[4] for e in everyone]
+        results["boundaries"] = [e[4] for e in everyone]
+        results["boundary_broadcast"] = [e[5] for e in everyone]
+        results["others_gathered"] = [e[6] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

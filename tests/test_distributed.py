@@ -18,6 +18,7 @@ import torch
 from datasets import Dataset
 from dist_worker import make_batches, trainer_config
 from tolerances import DIST_GRAD_RTOL, LOGP_ATOL, SHARDED_ATTN_ATOL_FP64
+from transformers import AutoConfig
 
 from trl_longstraw import LongStrawGRPOTrainer
 from trl_longstraw.sharding import shard_group_size
@@ -157,8 +158,9 @@ def test_sharded_logps_match(launch, reference):
 def test_sharded_state_is_split(launch):
     """Rank 0 holds chunks 0 and 2 (7 of the 12 prefix tokens of the longest prompt), rank 1 chunk 1 (5 tokens).
 
-    Recurrent records (qwen3_5's Gated DeltaNet) are replicated: `fixed` bytes on both ranks; the other families
-    keep per-token records only (glm_moe_dsa: MLA rows and index keys), all sharded.
+    Scoring keeps no chunk boundaries, so the one recurrent record per layer (qwen3_5's Gated DeltaNet) is the final
+    one, which every rank keeps: `fixed` bytes on both ranks; the other families keep per-token records only
+    (glm_moe_dsa: MLA rows and index keys), all sharded.
     """
     results = _results(launch)
     (rank0, rank1) = results["state_bytes"]
@@ -179,6 +181,30 @@ def test_fsdp2_per_pass_under_sharded_state(launch):
     for per_rank in results["others_gathered"]:
         assert per_rank["fsdp2"] >= 1
         assert per_rank["fsdp2_sharded_exact"] == 0
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_sharded_boundaries_follow_chunk_owners(launch):
+    """Exact mode keeps chunk boundaries: after the prefill of a 3-chunk prompt, each recurrent layer's records of
+    chunks 0 and 1 are on their owners only (rank 0 and rank 1), and the final one (chunk 2) is on both ranks."""
+    results = _results(launch)
+    family, path = launch[:2]
+    layer_types = AutoConfig.from_pretrained(path).layer_types if family == "qwen3_5" else []
+    deltanets = {i for i, t in enumerate(layer_types) if t == "linear_attention"}
+    for rank, held in enumerate(results["boundaries"]):
+        assert set(held) == deltanets
+        for layer, chunks in held.items():
+            assert chunks == [rank, 2], f"rank {rank}, layer {layer}: holds the records of chunks {chunks}"
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_boundary_broadcast_mixed_dtypes(launch):
+    """`broadcast_boundary` on a bf16 conv tail and an fp32 state per layer (one buffer per dtype), in a process group
+    object: each rank receives the boundary it does not own (2 layers x 2 tensors) bit for bit, as leaves that require
+    grad."""
+    results = _results(launch)
+    for rank, (received, problems) in enumerate(results["boundary_broadcast"]):
+        assert received == 4 and not problems, f"rank {rank}: received {received} tensors; {problems}"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
@@ -210,6 +236,11 @@ def test_collectives_equal_across_ranks(launch, scenario):
         assert {"all_gather_single", "reduce_scatter_single"} <= names
     if "sharded" in scenario:
         assert {"all_gather_into_tensor", "all_to_all_single"} <= names
+    # The exact-mode reverse pass broadcasts the recurrent boundary at the start of every chunk but the first, from its
+    # owner: one fp32 buffer per chunk transition. `S` has prompts of 3 and 2 chunks, `C` two of 2 chunks.
+    transitions = {"sharded_exact": 3, "fsdp2_sharded_exact": 3, "sharded_idle_rank": 2}
+    expected = transitions.get(scenario, 0) if launch[0] == "qwen3_5" else 0
+    assert [name for name, _ in rank0].count("broadcast") == expected
 
 
 @pytest.mark.parametrize(

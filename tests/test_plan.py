@@ -146,8 +146,18 @@ def test_budget_lines(preset_stats):
     shards = [_item(exact, n) for n in ("weights", "gradients", "optimizer state")]
     assert sum(shards) == pytest.approx(16 * stats.total_params / 8, abs=8)
     sharded = estimate(stats, replace(base, shard_prompt_state=True))
-    # The per-token part is split over the shard group; the recurrent boundary states are replicated.
-    assert _item(sharded, "prompt state") == -(-100_000 * stats.state_per_token // 8) + chunks * stats.state_fixed
+    # The per-token part is split over the shard group. Each GPU keeps the recurrent boundary states of its own chunks
+    # (3 of the 24 before the last), the final one, and one copy broadcast by its owner in the reverse pass.
+    split = -(-100_000 * stats.state_per_token // 8)
+    assert _item(sharded, "prompt state") == split + (3 + 1 + 1) * stats.state_fixed
+    assert _item(sharded, "prompt state gradient") == split + 2 * stats.state_fixed
+    sharded_detached = estimate(stats, replace(base, shard_prompt_state=True, mode="detached"))
+    assert _item(sharded_detached, "prompt state") == split + stats.state_fixed  # the final one, on every GPU
+    # Prompts of one and two chunks hold every boundary on every GPU, no more.
+    for positions, held in [(4096, 1), (8192, 2)]:
+        short = estimate(stats, replace(base, positions=positions, shard_prompt_state=True))
+        per_token = -(-(positions - 1) * stats.state_per_token // 8)
+        assert _item(short, "prompt state") == per_token + held * stats.state_fixed
     # Only the larger of the branch graph and the chunk activations counts.
     phased = [i.nbytes for i in exact.items if i.phase]
     assert exact.peak == sum(i.nbytes for i in exact.items if not i.phase) + max(phased)
@@ -251,7 +261,8 @@ def test_suggestions_report_their_own_verdicts(preset_stats):
     config = preset_stats["qwen3.6-27b"][0]
     with torch.device("meta"):
         stats = model_stats(AutoModelForCausalLM.from_config(config), config, lora_rank=8)
-    setup = Setup(positions=2_100_000, mode="exact", gpus=8, gpu_memory=96 * 10**9)
+    # 4M positions: sharding over the 8 GPUs is not enough, 10 are.
+    setup = Setup(positions=4_000_000, mode="exact", gpus=8, gpu_memory=96 * 10**9)
     lines = plan.suggestions(estimate(stats, setup))
     detached = [s for s in lines if s.startswith("prompt_gradient='detached'")]
     sharded = [s for s in lines if s.startswith("shard_prompt_state=True")]

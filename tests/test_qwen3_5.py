@@ -8,6 +8,8 @@ than the conv window), ragged completions including one of length 1, and prefill
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -23,7 +25,7 @@ from trl.trainer.utils import add_fused_lm_head
 from tests.helpers import assert_grads_close, detached_reference, make_trainer, run_steps
 from tests.tolerances import DELTA_RULE_ATOL, GRAD_RTOL, LOGP_ATOL, LOSS_ATOL
 from trl_longstraw.adapters import get_adapter
-from trl_longstraw.engine import Engine, Pass, PromptGroup, use_pass
+from trl_longstraw.engine import Engine, Pass, PromptGroup, PromptState, use_pass
 from trl_longstraw.plan import preset_config
 from trl_longstraw.qwen3_5 import Qwen3_5Adapter, torch_gated_delta_rule
 from trl_longstraw.reference import plain_token_logps
@@ -305,6 +307,21 @@ def test_retained_state_matches_accounting(fused_model, boundaries):
     for layer in linear:
         kept = [r is not None for r in state.records[layer]]
         assert kept == ([True] * 5 if boundaries else [False] * 4 + [True])
+
+
+def test_sharded_boundaries_need_constant_record_shapes():
+    """A sharded exact-mode prefill drops a superseded record on the ranks that do not own its chunk, and refuses a
+    recurrent record whose shapes or dtypes change between chunks: the reverse pass broadcasts a boundary into buffers
+    shaped like the next one."""
+    shard = types.SimpleNamespace(rank=1, owner=lambda chunk: chunk % 2)
+    state = PromptState(boundaries=True)
+    p = Pass(state, visible=0, append=True, shard=shard)
+    tail, recurrent = torch.zeros(1, 40, 3), torch.zeros(1, 6, 8, 8)  # [1, C, kernel-1], [1, Hv, Dk, Dv]
+    for _ in range(3):
+        p.emit(0, (tail, recurrent), supersedes=True)
+    assert [r is not None for r in state.records[0]] == [False, True, True] and state.recurrent == {0}
+    with pytest.raises(ValueError, match="same ones in every chunk"):
+        p.emit(0, (tail, recurrent.double()), supersedes=True)
 
 
 # ---------------------------------------------------------------------------------------------------- vs GRPOTrainer

@@ -36,7 +36,9 @@ class PromptState:
 
     `records[layer][c]` is `None` once chunk `c` has been consumed by the reverse pass, once a later record of a
     recurrent layer superseded it (see `Pass.emit`) and the state does not keep `boundaries`, or when the prompt state
-    is sharded (`shard_prompt_state`) and another rank holds that chunk.
+    is sharded (`shard_prompt_state`) and another rank holds that chunk. A sharded state with `boundaries` keeps a
+    recurrent layer's records on the owners of their chunks, plus the last one on every rank; the reverse pass
+    broadcasts each boundary to every rank when it needs it (`sharding.PromptShards.broadcast_boundary`).
     """
 
     records: dict[int, list[tuple[torch.Tensor, ...] | None]] = field(default_factory=dict)
@@ -45,6 +47,8 @@ class PromptState:
     chunk_lengths: list[int] = field(default_factory=list)
     # Keep superseded records too: the exact-mode reverse pass starts chunk `c` from the recurrent state at its start.
     boundaries: bool = False
+    # Layers whose records supersede the earlier ones (recurrent states), filled by the prefill.
+    recurrent: set[int] = field(default_factory=set)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         for chunks in self.records.values():
@@ -96,16 +100,44 @@ class Pass:
         A `sharded` record is kept only by the rank that owns the chunk when the state is sharded; other records are
         replicated on every rank (see `sharding`). A record that `supersedes` the earlier ones of its layer (a
         recurrent state, which already sums up all of them) lets the prefill drop those, unless the state keeps its
-        chunk `boundaries`.
+        chunk `boundaries`; a sharded state with boundaries keeps the previous record only on the owner of its
+        chunk. Such records must have the same shapes and dtypes in every chunk: the reverse pass broadcasts a
+        boundary into buffers shaped like the next one.
+
+        Raises:
+            ValueError: on every rank, when a superseding record of a sharded state with boundaries changes shapes or
+                dtypes from one chunk to the next.
         """
         if self.append:
             records = self.state.records.setdefault(layer_idx, [])
-            if supersedes and not self.state.boundaries:
-                records[:] = [None] * len(records)
+            if supersedes:
+                self.state.recurrent.add(layer_idx)
+                if not self.state.boundaries:
+                    records[:] = [None] * len(records)
+                elif self.shard is not None and records:
+                    self._drop_unowned_boundary(layer_idx, records, record)
             held = not (sharded and self.shard is not None and self.shard.owner(len(records)) != self.shard.rank)
             records.append(tuple(t.detach() for t in record) if held else None)
         elif self.sink is not None:
             self.sink[layer_idx] = record
+
+    def _drop_unowned_boundary(
+        self, layer_idx: int, records: list[tuple[torch.Tensor, ...] | None], record: tuple[torch.Tensor, ...]
+    ) -> None:
+        """Sharded prefill with boundaries: `record` supersedes `records[-1]`, which only its chunk's owner keeps.
+
+        Every rank computes every chunk, so the newest record is on every rank (the next chunk, and the branches
+        after the last one, start from it) and the same checks run everywhere.
+        """
+        chunk = len(records) - 1
+        before, now = ([(tuple(t.shape), t.dtype) for t in r] for r in (records[chunk], record))
+        if before != now:
+            raise ValueError(
+                f"layer {layer_idx} emitted a superseding record of shapes and dtypes {now} after {before}: a sharded "
+                "prompt state with boundaries (exact mode) needs the same ones in every chunk"
+            )
+        if self.shard.owner(chunk) != self.shard.rank:
+            records[chunk] = None
 
 
 _ACTIVE: list[Pass] = []
@@ -299,7 +331,8 @@ class Engine:
         """Exact mode: back-propagates the gradient accumulated on the records through the prompt, last chunk first.
 
         Each chunk is recomputed with autograd; its records are freed once consumed, so the state shrinks as the pass
-        goes. Afterwards the state is spent and is not kept.
+        goes. Afterwards the state is spent and is not kept. Sharded, every rank recomputes every chunk and first
+        receives the recurrent records at the chunk's start from their owner (one broadcast per chunk and dtype).
         """
         t0 = time.perf_counter()
         self._kept = None
@@ -310,6 +343,9 @@ class Engine:
         with self.adapter.activate():
             for c in reversed(range(len(chunks))):
                 start, end = chunks[c]
+                if self.shards is not None and c > 0 and state.recurrent:
+                    # Chunk c starts from the recurrent records of chunk c - 1, which only their owner kept.
+                    self.shards.broadcast_boundary(state, c - 1)
                 own = {layer: records[c] for layer, records in state.records.items() if records[c] is not None}
                 # Sharded: every rank runs every chunk, as the attention over the prompt is collective.
                 if self.shards is not None or any(t.grad is not None for record in own.values() for t in record):

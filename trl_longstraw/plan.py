@@ -461,7 +461,8 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
 
     A step holds the weights, gradients and optimizer state (sharded under FSDP, plus the all-gathered root module
     and two layers, current and prefetched), the prompt state of one prompt (exact mode: also its gradient, and the
-    fixed part of the state once per chunk boundary, as the reverse pass restarts from each), and then either one
+    fixed part of the state once per chunk boundary, as the reverse pass restarts from each; with a sharded prompt
+    state, this GPU's share of the boundaries, the final one and one broadcast copy), and then either one
     branch graph (a completion replayed with autograd) or one chunk's activations (the exact-mode reverse pass, or
     the no-grad prefill): those never coexist.
     """
@@ -519,29 +520,40 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         )
     tokens = state_tokens(u.positions)
     chunks = -(-tokens // u.prefill_chunk_size)
-    copies = chunks if exact else 1
     state_parts = u.gpus if u.shard_prompt_state else 1
-    # Per-token records (attention K/V, MLA latents) are split over the shard group; the fixed recurrent records
-    # (Gated DeltaNet) are replicated on every rank (see docs/distributed.md).
+    # Per-token records (attention K/V, MLA latents) are split over the shard group. The fixed recurrent records
+    # (Gated DeltaNet): the final one on every GPU, and in exact mode one per chunk boundary. Sharded, a boundary
+    # stays on the owner of its chunk and the reverse pass holds one more, broadcast from its owner
+    # (see docs/distributed.md).
+    if not exact:
+        copies = 1
+    elif state_parts > 1:
+        copies = min(chunks, share(chunks - 1, state_parts) + 2)
+    else:
+        copies = chunks
     per_token = share(tokens * s.state_per_token, state_parts)
     detail = f"{tokens:,} tokens x {_size(s.state_per_token)}"
     if state_parts > 1:
         detail += f" sharded /{state_parts}"
     if s.state_fixed:
-        detail += f" + {copies:,} x {_size(s.state_fixed)} fixed" + (" (one per chunk boundary)" if exact else "")
-        if state_parts > 1:
+        detail += f" + {copies:,} x {_size(s.state_fixed)} fixed"
+        if exact and state_parts > 1:
+            detail += f" (of {chunks:,} chunk boundaries: this GPU's share, the final one and one broadcast copy)"
+        elif exact:
+            detail += " (one per chunk boundary)"
+        elif state_parts > 1:
             detail += ", replicated"
     items.append(Item("prompt state", per_token + copies * s.state_fixed, detail))
     # Every branch reads every per-token record, so their gradients accumulate over the whole prompt; a recurrent
     # record's gradient lives only while the reverse pass crosses its chunk boundary (two at a time).
-    grad_fixed = min(copies, 2) * s.state_fixed
+    boundary_grads = min(chunks, 2)
     items.append(
         Item(
             "prompt state gradient",
-            per_token + grad_fixed if exact else 0,
+            per_token + boundary_grads * s.state_fixed if exact else 0,
             (
                 "exact mode: the per-token records' gradients"
-                + (f" + {min(copies, 2)} boundary state gradients in flight" if s.state_fixed else "")
+                + (f" + {boundary_grads} boundary state gradients in flight" if s.state_fixed else "")
             )
             if exact
             else "detached mode: none",

@@ -11,7 +11,8 @@ The decoder interleaves two token mixers:
   and the recurrent state at the end of the prefix, so the record of a chunk is `(conv_tail, state)`,
   `[1, C, kernel - 1]` and `[1, Hv, Dk, Dv]` fp32, and it supersedes the records of earlier chunks: detached mode keeps
   one per layer. Exact mode keeps one per chunk boundary (`PromptState.boundaries`), since the reverse pass restarts
-  every chunk from the state at its start.
+  every chunk from the state at its start; with a sharded prompt state, each boundary only on the rank owning its
+  chunk (plus the final one on every rank), broadcast to every rank when the reverse pass reaches it.
 
 While the engine runs, the DeltaNet modules' `forward` is replaced by `_gated_deltanet_forward`, which starts from the
 last visible record (zero history and zero state if none), never writes a tensor in place (the stock cache's
@@ -231,8 +232,9 @@ class Qwen3_5Adapter:
     """Records: `(keys, values)` `[1, Hkv, n, D]` per gated-attention layer and chunk; `(conv_tail, state)`
     `[1, C, kernel-1]`, `[1, Hv, Dk, Dv]` fp32 per Gated DeltaNet layer, superseding the earlier ones."""
 
-    # The gated-attention layers go through `sharding.attend` (kv.longstraw_attention); the DeltaNet records are
-    # replicated on every rank of a shard group (they do not grow with the prompt; see docs/distributed.md).
+    # The gated-attention layers go through `sharding.attend` (kv.longstraw_attention); the DeltaNet records do not
+    # grow with the prompt and are replicated on every rank of a shard group, except the exact-mode chunk boundaries,
+    # which stay on their chunk's owner (see docs/distributed.md).
     shards_prompt_state = True
 
     def __init__(self, causal_lm: PreTrainedModel):
@@ -270,8 +272,8 @@ class Qwen3_5Adapter:
 
         Per token: keys and values of the gated-attention layers (`dtype_bytes` each). Fixed: per DeltaNet layer, the
         conv tail (`kernel - 1` positions of the `2 Hk Dk + Hv Dv` conv channels, `dtype_bytes` each) and the fp32
-        recurrent state `Hv Dk Dv`. Exact mode keeps the fixed part once per prefill chunk. `config` may be the text
-        config or the composite `Qwen3_5Config`.
+        recurrent state `Hv Dk Dv`. Exact mode keeps the fixed part once per prefill chunk (split over the ranks under
+        `shard_prompt_state`). `config` may be the text config or the composite `Qwen3_5Config`.
         """
         config = config.get_text_config()
         full = sum(t == "full_attention" for t in config.layer_types[: config.num_hidden_layers])

@@ -19,7 +19,11 @@ with fewer completions than the others in a round runs a one-token *dummy* branc
 Records an adapter does not shard (emitted with `sharded=False`, e.g. a recurrent state, which is small and
 sequential) are replicated: every rank keeps its copy and accumulates the gradient of its own consumers into it;
 the replicated reverse pass back-propagates each rank's share, and the shares add up in the data-parallel gradient
-reduction. For the hooks an adapter uses, see `attend` and `Pass.emit(..., sharded=True)`.
+reduction. A recurrent record (`supersedes=True`) in exact mode is the exception, as one is kept per chunk boundary:
+after the prefill each rank keeps the boundaries of its own chunks plus the final one (which the branches read), and
+before recomputing chunk `c` the reverse pass broadcasts boundary `c - 1` from its owner to every rank
+(`PromptShards.broadcast_boundary`); the received copies then collect each rank's share of the gradient as above.
+For the hooks an adapter uses, see `attend` and `Pass.emit(..., sharded=True)`.
 """
 
 from __future__ import annotations
@@ -49,6 +53,43 @@ class PromptShards:
     def owner(self, chunk: int) -> int:
         """The rank (in the group) that keeps the records of prompt chunk `chunk`."""
         return chunk % self.world
+
+    def broadcast_boundary(self, state, chunk: int) -> None:
+        """Gives every rank the records of `state`'s recurrent layers at the end of prompt chunk `chunk`.
+
+        Collective, for the exact-mode reverse pass about to recompute chunk `chunk + 1`: the owner of `chunk` sends
+        its records, e.g. qwen3_5's `(conv_tail [1, C, kernel-1], state [1, Hv, Dk, Dv] fp32)` per DeltaNet layer,
+        packed into one flat buffer per dtype. The other ranks shape what they receive like the layer's records of
+        chunk `chunk + 1`, which every rank holds at that point (`Pass.emit` checks that a recurrent layer's records
+        keep their shapes), and store it in `state.records[layer][chunk]` as leaves that require grad, so that the
+        recompute of chunk `chunk + 1` accumulates their gradient as it does on the owner's.
+
+        Args:
+            state: an `engine.PromptState` prefilled with `boundaries=True` under these shards.
+            chunk: the chunk whose end-of-chunk records to broadcast.
+        """
+        owner = self.owner(chunk)
+        src = owner if self.group is None else dist.get_global_rank(self.group, owner)
+        layers = sorted(state.recurrent)  # the same order on every rank
+        templates = [t for layer in layers for t in state.records[layer][chunk + 1]]
+        sources = [t for layer in layers for t in state.records[layer][chunk]] if owner == self.rank else None
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(templates):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        received: list[torch.Tensor | None] = [None] * len(templates)
+        for dtype, indices in by_dtype.items():
+            if sources is not None:  # the owner keeps its own records
+                dist.broadcast(torch.cat([sources[i].detach().reshape(-1) for i in indices]), src, group=self.group)
+                continue
+            sizes = [templates[i].numel() for i in indices]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=templates[indices[0]].device)
+            dist.broadcast(flat, src, group=self.group)
+            for i, part in zip(indices, flat.split(sizes), strict=True):
+                received[i] = part.view(templates[i].shape).requires_grad_(True)
+        if sources is None:
+            parts = iter(received)
+            for layer in layers:
+                state.records[layer][chunk] = tuple(next(parts) for _ in state.records[layer][chunk + 1])
 
     def replicated(self, n: int) -> None:
         """Declares a pass where every rank runs the same `n` query tokens (a prefill or reverse chunk)."""
