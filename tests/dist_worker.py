@@ -134,9 +134,12 @@ def rows_of(batch: dict, rank: int) -> dict:
 def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
     """fp64 max abs errors of `sharded_prefix_attention` against `prefix_merge_attention` over the whole prefix.
 
-    GQA (4 query heads, 2 key heads), different query lengths per rank (3 and 5), key blocks of 2 (so that prefix
-    and causal parts span several blocks); prefixes of 3 chunks (both ranks hold some) and of 1 chunk (rank 1 holds
-    none). The gradient of each prefix chunk must reach its owner whole: the sum over ranks of the references'.
+    GQA (4 query heads, 2 key heads), key blocks of 2 (so that prefix and causal parts span several blocks), prefixes
+    of 3 chunks (both ranks hold some) and of 1 chunk (rank 1 holds none). Branch rounds: different queries and
+    lengths per rank (3 and 5); the gradient of each prefix chunk must reach its owner whole (the sum over ranks of
+    the references'). Replicated passes (prefill, reverse): both ranks run the same 4 queries and back-propagate
+    different shares of the loss; the shares' query, key and value gradients must add up to the reference's for the
+    sum of the shares, and each chunk's gradient on its owner must be the whole.
     """
     from trl_longstraw import attention
     from trl_longstraw.attention import prefix_merge_attention
@@ -145,18 +148,25 @@ def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
     errors: dict[str, float] = {}
     saved_block, attention.KEY_BLOCK = attention.KEY_BLOCK, 2
     try:
-        for chunk_lengths in ([5, 4, 2], [3]):
-            g = torch.Generator().manual_seed(len(chunk_lengths))
+        for chunk_lengths, replicated in [([5, 4, 2], False), ([3], False), ([5, 4, 2], True), ([3], True)]:
+            g = torch.Generator().manual_seed(len(chunk_lengths) + 10 * replicated)
 
             def rand(*shape, g=g):
                 return torch.randn(*shape, generator=g, dtype=torch.float64)
 
-            lengths = [3, 5]
+            lengths = [4, 4] if replicated else [3, 5]
             chunks = [(rand(1, 2, n, 8), rand(1, 2, n, 8)) for n in chunk_lengths]
             rows = [(rand(1, 4, t, 8), rand(1, 2, t, 8), rand(1, 2, t, 8), rand(1, 4, t, 8)) for t in lengths]
-            q, k, v, grad_out = rows[rank]
             shards = PromptShards(None)
-            shards.lengths = lengths
+            if replicated:
+                shards.replicated(lengths[0])
+                q, k, v = rows[0][:3]  # the same queries on both ranks
+                grad_out = rows[rank][3]  # this rank's share
+                grad_ref = rows[0][3] + rows[1][3]
+            else:
+                shards.branch_round(lengths)
+                q, k, v, grad_out = rows[rank]
+                grad_ref = grad_out
 
             def leaves(*xs):
                 return [x.clone().requires_grad_() for x in xs]
@@ -167,15 +177,19 @@ def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
             out = sharded_prefix_attention(*ours, mine, 0.3, shards)
             expected = prefix_merge_attention(*ref, whole, 0.3)
             out.backward(grad_out)
-            expected.backward(grad_out)
-            tag = f"{len(chunk_lengths)}chunks"
+            expected.backward(grad_ref)
+            tag = f"{len(chunk_lengths)}chunks" + ("/replicated" if replicated else "")
             errors[f"{tag}/out"] = (out - expected).abs().max().item()
             for name, a, b in zip("qkv", ours, ref, strict=True):
-                errors[f"{tag}/d{name}"] = (a.grad - b.grad).abs().max().item()
+                got = a.grad.clone()
+                if replicated:  # the ranks' shares add up
+                    dist.all_reduce(got)
+                errors[f"{tag}/d{name}"] = (got - b.grad).abs().max().item()
             for i, pair in enumerate(whole):
                 for j, x in enumerate(pair):
                     total = x.grad.clone()
-                    dist.all_reduce(total)
+                    if not replicated:  # each rank's reference saw its own queries only
+                        dist.all_reduce(total)
                     if mine[i] is not None:
                         errors[f"{tag}/dprefix{i}.{j}"] = (mine[i][j].grad - total).abs().max().item()
     finally:
@@ -189,31 +203,35 @@ def sharded_dsa_errors(rank: int, world: int) -> dict[str, float]:
 
     `sharded_select_topk` must select exactly `reference_select`'s keys (a set per query: the order within a row is
     free), and `sharded_latent_attention` must give `reference_latent_attention`'s output and gradients, each prefix
-    chunk's gradient reaching its owner whole (the sum over ranks of the references'). Query lengths 3 and 1 per rank;
-    prefixes of 3 chunks (both ranks hold some) and of 1 (rank 1 holds none); top-k 5 (selection across shards),
-    13 (rank 1's queries see every key, rank 0's do not: ragged selection widths) and 64 (dense: no exchange). Blocks
-    are tiny so that tiles and key blocks span chunks. `ties` makes whole chunks score the same (integer queries,
-    constant weights, equal keys): the earlier key must win across shards as it does unsharded, here a chunk of rank 1
-    against a later chunk of rank 0. Returns max abs errors, and for the selection the number of queries whose set
-    differs.
+    chunk's gradient reaching its owner whole. Branch rounds: query lengths 3 and 1 per rank, the chunk gradients
+    summed over the ranks' references. Replicated passes (prefill, reverse): both ranks run the same 3 queries and
+    back-propagate different shares of the loss, whose query and own-key gradients must add up to the reference's for
+    the sum of the shares. Prefixes of 3 chunks (both ranks hold some) and of 1 (rank 1 holds none); top-k 5
+    (selection across shards), 13 (in branch rounds rank 1's queries see every key, rank 0's do not: ragged widths)
+    and 64 (dense: no exchange). Blocks are tiny so that tiles and key blocks span chunks. `ties` makes whole chunks
+    score the same (integer queries, constant weights, equal keys): the earlier key must win across shards as it
+    does unsharded, here a chunk of rank 1 against a later chunk of rank 0. Returns max abs errors, and for the
+    selection the number of queries whose set differs.
     """
     import trl_longstraw.glm_moe_dsa as glm
     from trl_longstraw.sharding import PromptShards
 
     heads, dim, rank_dim, rope = 3, 4, 5, 2
-    lengths = [3, 1]
     errors: dict[str, float] = {}
     saved = glm.INDEX_KEY_BLOCK, glm.INDEX_TILE, glm.ATTN_SLOTS
     glm.INDEX_KEY_BLOCK, glm.INDEX_TILE, glm.ATTN_SLOTS = 3, 2 * heads * 3, 2 * 5
     try:
-        for chunk_lengths, topk, ties in [
-            ([5, 4, 3], 5, False),
-            ([5, 4, 3], 5, True),
-            ([5, 4, 3], 13, False),
-            ([9], 5, False),
-            ([5, 4, 3], 64, False),
+        for chunk_lengths, topk, ties, replicated in [
+            ([5, 4, 3], 5, False, False),
+            ([5, 4, 3], 5, True, False),
+            ([5, 4, 3], 13, False, False),
+            ([9], 5, False, False),
+            ([5, 4, 3], 64, False, False),
+            ([5, 4, 3], 5, False, True),
+            ([5, 4, 3], 5, True, True),
+            ([9], 5, False, True),
         ]:
-            tag = f"{len(chunk_lengths)}chunks/top{topk}" + ("/ties" if ties else "")
+            tag = f"{len(chunk_lengths)}chunks/top{topk}" + ("/ties" if ties else "") + ("/rep" if replicated else "")
             g = torch.Generator().manual_seed(topk + len(chunk_lengths) + ties)
 
             def index(*shape, g=g, ties=ties):
@@ -225,6 +243,7 @@ def sharded_dsa_errors(rank: int, world: int) -> dict[str, float]:
             def rand(*shape, g=g):
                 return torch.randn(*shape, generator=g, dtype=torch.float64)
 
+            lengths = [3, 3] if replicated else [3, 1]
             starts = [0]
             for n in chunk_lengths:
                 starts.append(starts[-1] + n)
@@ -247,7 +266,14 @@ def sharded_dsa_errors(rank: int, world: int) -> dict[str, float]:
                 for t in lengths
             ]
             shards = PromptShards(None)
-            shards.lengths = lengths
+            if replicated:
+                shards.replicated(lengths[0])
+                # The same queries on both ranks, each with its own share of the output gradient.
+                rows = [rows[0][:5] + (rows[0][5],), rows[0][:5] + (rows[1][5],)]
+                references = [rows[0][:5] + (rows[0][5] + rows[1][5],)]
+            else:
+                shards.branch_round(lengths)
+                references = rows
             held = [shards.owner(c) == rank for c in range(len(chunk_lengths))]
             iq, iw, ik, q, own_kv, grad_out = rows[rank]
             sel = glm.sharded_select_topk(
@@ -281,20 +307,24 @@ def sharded_dsa_errors(rank: int, world: int) -> dict[str, float]:
             out.backward(grad_out)
             # Every rank's reference (all ranks draw the same tensors), for the prefix gradients summed over ranks.
             whole = leaves(*kv)
-            for r, (riq, riw, rik, rq, rkv, rgrad) in enumerate(rows):
+            for r, (riq, riw, rik, rq, rkv, rgrad) in enumerate(references):
                 rsel = glm.reference_select(
                     glm._index_scores(riq, riw, torch.cat(index_keys + [rik]), 0.5), starts[-1], topk
                 )
                 ref_leaves = leaves(rq, rkv)
                 ref = glm.reference_latent_attention(ref_leaves[0], whole + [ref_leaves[1]], rsel, 0.4, rank_dim)
                 ref.backward(rgrad)
-                if r == rank:
+                if replicated or r == rank:
+                    dq, dkv = ours[0].grad.clone(), grad(ours[1]).clone()
+                    if replicated:  # the ranks' shares add up
+                        dist.all_reduce(dq)
+                        dist.all_reduce(dkv)
                     errors[f"{tag}/out"] = (out - ref).abs().max().item()
-                    errors[f"{tag}/dq"] = (ours[0].grad - ref_leaves[0].grad).abs().max().item()
-                    errors[f"{tag}/dkv_own"] = (grad(ours[1]) - ref_leaves[1].grad).abs().max().item()
+                    errors[f"{tag}/dq"] = (dq - ref_leaves[0].grad).abs().max().item()
+                    errors[f"{tag}/dkv_own"] = (dkv - grad(ref_leaves[1])).abs().max().item()
             for c, x in enumerate(mine):
                 if x is not None:
-                    errors[f"{tag}/dprefix{c}"] = (grad(x) - whole[c].grad).abs().max().item()
+                    errors[f"{tag}/dprefix{c}"] = (grad(x) - grad(whole[c])).abs().max().item()
     finally:
         glm.INDEX_KEY_BLOCK, glm.INDEX_TILE, glm.ATTN_SLOTS = saved
     return errors

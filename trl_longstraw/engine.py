@@ -435,7 +435,7 @@ class Engine:
         """The prompts to run and, for each, its branch rows; `None` is a zero-weight filler branch.
 
         Unsharded: `groups` with their `rows`, as given. Sharded: the prompts in the order agreed by the group, and
-        rounds in which every rank runs one branch (its own or a filler), with `shards.lengths` set for each round.
+        rounds in which every rank runs one branch (its own or a filler), declared to `shards` round by round.
         """
         if self.shards is None:
             return list(zip(groups, rows, strict=True))
@@ -443,7 +443,7 @@ class Engine:
 
         def rounds(mine: list[int], everyone: list[list[int]]) -> Iterator[int | None]:
             for i in range(max(len(theirs) for theirs in everyone)):
-                self.shards.lengths = [theirs[i] if i < len(theirs) else 1 for theirs in everyone]
+                self.shards.branch_round([theirs[i] if i < len(theirs) else 1 for theirs in everyone])
                 yield mine[i] if i < len(mine) else None
 
         return [(groups[i], rounds(rows[i], plan[k])) for k, i in enumerate(order) if any(plan[k])]

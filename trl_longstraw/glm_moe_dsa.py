@@ -52,7 +52,7 @@ from transformers import PreTrainedModel
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttention, apply_rotary_pos_emb_interleave
 
 from .engine import active_pass
-from .sharding import PromptShards, gather_tokens, return_tokens
+from .sharding import PromptShards, gather_tokens, merge_replicated, return_tokens
 
 # Query x selected-key slots gathered at once by the sparse attention. Bounds the `[Q * k, kv_lora_rank + rope]`
 # gathered rows (and the `[Q, heads, k]` scores) alive during its forward and backward: 2^18 slots of 576 fp32 values
@@ -249,9 +249,10 @@ def sharded_select_topk(
 ) -> torch.Tensor:
     """`select_topk` over a prefix whose chunks are spread over the ranks of `shards`: the top-k is global.
 
-    Every rank scores every rank's (gathered) queries against the index keys of its own chunks and keeps its best
-    `topk` candidates per query; the candidates go back to the query owners (all-to-all), which merge them in key
-    order with their own tokens' keys, so ties break as unsharded (a query's global top-k under the order "higher
+    Each rank scores the queries against the index keys of its own chunks and keeps its best `topk` candidates per
+    query: in a replicated pass (every rank runs the same queries) the candidates of every rank are all-gathered; in
+    a branch round every rank's queries are gathered first and the candidates go back to the query owners
+    (all-to-all). The owners merge them in key order with their own tokens' keys, so ties break as unsharded (a query's global top-k under the order "higher
     score, then earlier key" is the top-k of the ranks' top-ks). Collective: every rank of the group calls it for the
     same layer of the same pass.
 
@@ -272,15 +273,23 @@ def sharded_select_topk(
         return _dense_selection(s, prefix_len, prefix_len + max(shards.lengths), topk, q.device)
     held = [(starts[c], keys) for c, keys in enumerate(prefix_keys) if keys is not None]
     key_block = min(INDEX_KEY_BLOCK, max(1, sum(keys.shape[0] for _, keys in held)))
-    everyone = gather_tokens(q, shards).flatten(0, 1)  # [W * Tmax, H, D]
-    everyone_weights = gather_tokens(weights, shards).flatten(0, 1)
-    blocks = _key_blocks(held, key_block)
-    values, keys = _running_topk(everyone, everyone_weights, blocks, None, topk, scale, key_block)
-    values, keys = _pad_columns(values, keys, topk)
     world, tmax = shards.world, max(shards.lengths)
+    if shards.same_queries:
+        # Every rank runs these queries: score them against this rank's chunks, then gather every rank's candidates.
+        values, keys = _running_topk(q, weights, _key_blocks(held, key_block), None, topk, scale, key_block)
+        values, keys = _pad_columns(values, keys, topk)
+        values, keys = (gather_tokens(x, shards) for x in (values, keys))  # [W, S, topk]
+    else:
+        everyone = gather_tokens(q, shards).flatten(0, 1)  # [W * Tmax, H, D]
+        everyone_weights = gather_tokens(weights, shards).flatten(0, 1)
+        blocks = _key_blocks(held, key_block)
+        values, keys = _running_topk(everyone, everyone_weights, blocks, None, topk, scale, key_block)
+        values, keys = _pad_columns(values, keys, topk)
+        values = return_tokens(values.view(world, tmax, topk), shards)  # [W, S, topk]
+        keys = return_tokens(keys.view(world, tmax, topk), shards)
     # [W, S, topk] candidates of each rank -> [S, W * topk], in key order (no key last).
-    values = return_tokens(values.view(world, tmax, topk), shards).transpose(0, 1).reshape(s, world * topk)
-    keys = return_tokens(keys.view(world, tmax, topk), shards).transpose(0, 1).reshape(s, world * topk)
+    values = values.transpose(0, 1).reshape(s, world * topk)
+    keys = keys.transpose(0, 1).reshape(s, world * topk)
     order = torch.where(keys < 0, prefix_len, keys).argsort(dim=1, stable=True)
     values, keys = values.gather(1, order), keys.gather(1, order)
     own_block = min(INDEX_KEY_BLOCK, s)
@@ -447,9 +456,10 @@ def sharded_latent_attention(
 ) -> torch.Tensor:
     """`sparse_latent_attention` over a prefix whose chunks are spread over the ranks of `shards`.
 
-    Every rank attends every rank's (gathered) queries to the keys they selected among its own chunks; the partial
-    latents and log-sum-exps go back to the query owners (all-to-all) and merge there with the part over the
-    queries' own tokens. The collectives are differentiable, so the backward is the same exchange in reverse and
+    Each rank attends the queries to the keys they selected among its own chunks. In a replicated pass (every rank
+    runs the same queries) the parts merge by all-reduce (`sharding.merge_replicated`); in a branch round every
+    rank's queries are gathered and the partial latents and log-sum-exps go back to the query owners (all-to-all).
+    Either way they then merge with the part over the queries' own tokens. The collectives are differentiable, so the backward is the same exchange in reverse and
     each chunk's gradient stays with the rank that holds it. Collective: every rank of the group calls it for the
     same layer of the same pass.
 
@@ -468,12 +478,18 @@ def sharded_latent_attention(
     out, lse = _SparseLatentAttention.apply(scale, rank, own, q, own_kv)
     if prefix_len == 0:  # the same on every rank: the ranks hold the same prompt
         return out
+    held = [kv for kv in prefix_kv if kv is not None] or [own_kv.new_zeros(0, own_kv.shape[1])]
+    if shards.same_queries:
+        # Every rank runs these queries: attend them to this rank's chunks and merge the parts by all-reduce.
+        mine = _localize(sel, starts, [kv is not None for kv in prefix_kv])
+        part, part_lse = _SparseLatentAttention.apply(scale, rank, mine, q, *held)
+        part, part_lse = merge_replicated(part.to(lse.dtype), part_lse, shards)
+        return _merge_two(out, lse, part, part_lse).to(q.dtype)
     world, tmax, k = shards.world, max(shards.lengths), sel.shape[1]
     everyone = gather_tokens(q, shards).flatten(0, 1)  # [W * Tmax, H, R + Dr]
     with torch.no_grad():
         everyone_sel = gather_tokens(sel, shards).view(world * tmax, k)
         mine = _localize(everyone_sel, starts, [kv is not None for kv in prefix_kv])
-    held = [kv for kv in prefix_kv if kv is not None] or [own_kv.new_zeros(0, own_kv.shape[1])]
     part, part_lse = _SparseLatentAttention.apply(scale, rank, mine, everyone, *held)
     packed = torch.cat([part.to(lse.dtype), part_lse[..., None]], dim=-1).view(world, tmax, *part_lse.shape[1:], -1)
     received = return_tokens(packed, shards)  # [W, S, H, R + 1]
@@ -481,6 +497,12 @@ def sharded_latent_attention(
     total = torch.logsumexp(lses, dim=0)  # finite: every query selects at least one key
     weights = torch.exp(lses - total)[..., None]
     return (weights * torch.cat([out[None].to(lse.dtype), received[..., :rank]])).sum(0).to(q.dtype)
+
+
+def _merge_two(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    """Attention `[S, H, R]` over the union of two key sets, from each one's output and log-sum-exp `[S, H]`."""
+    lse = torch.logaddexp(lse_a, lse_b)  # finite: every query selects at least one key
+    return out_a.to(lse.dtype) * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
 
 
 def reference_latent_attention(

@@ -2,12 +2,17 @@
 
 The ranks of a *shard group* hold the same prompts in every micro-batch (different completions of them). Each rank
 keeps the records of 1/W of the prompt's chunks: chunk `c` belongs to rank `c % W`. Every rank runs every prefill
-and reverse chunk (the chunk's compute is replicated, its state is not), so the per-rank compute equals the
-unsharded one while the prompt state shrinks W times.
+and reverse chunk (the chunk's token-wise compute is replicated, its state and its prompt attention are not), so the
+prompt state shrinks W times.
 
-Attention over the prompt is a log-sum-exp merge of per-shard parts (`sharded_prefix_attention`): the queries of
-every rank are gathered, each rank scores them against its own chunks, the partial outputs and log-sum-exps go back
-to the query owners (one all-to-all) and are merged there with the branch's causal part. The backward is the flash
+Attention over the prompt is a log-sum-exp merge of per-shard parts (`sharded_prefix_attention`), done in one of two
+ways. In a *replicated* pass (a prefill or reverse chunk, `PromptShards.replicated`) every rank runs the same
+queries: each attends them to its own chunks and the parts merge by all-reduce (`merge_replicated`); in the backward
+each rank's own causal part takes its share of the loss gradient and the chunks take the sum of the shares, so each
+chunk's gradient is whole on its owner and the ranks' query gradients add up in the data-parallel reduction. In a
+*branch round* (`PromptShards.branch_round`) each rank runs its own completion: the queries of every rank are
+gathered, each rank scores them against its own chunks, the partial outputs and log-sum-exps go back to the query
+owners (one all-to-all) and are merged there with the branch's causal part. The backward is the flash
 decomposition: the owners' `dout`, `delta = rowsum(dout * out)` and global log-sum-exp are gathered, each rank
 computes the gradient of its own chunks (which thus stays on the rank that owns the record: exact mode reverses it
 there) and its share of every rank's query gradient, which an all-to-all returns to the query owners.
@@ -49,6 +54,9 @@ class PromptShards:
         self.world = dist.get_world_size(group)
         # Query tokens of each rank in the current pass; set by the engine before every sharded pass.
         self.lengths: list[int] = []
+        # Whether every rank runs the same queries in the current pass (a prefill or reverse chunk): attention then
+        # merges the ranks' parts with all-reduces instead of exchanging every rank's queries.
+        self.same_queries = False
 
     def owner(self, chunk: int) -> int:
         """The rank (in the group) that keeps the records of prompt chunk `chunk`."""
@@ -94,6 +102,12 @@ class PromptShards:
     def replicated(self, n: int) -> None:
         """Declares a pass where every rank runs the same `n` query tokens (a prefill or reverse chunk)."""
         self.lengths = [n] * self.world
+        self.same_queries = True
+
+    def branch_round(self, lengths: list[int]) -> None:
+        """Declares a pass where rank `r` runs its own `lengths[r]` query tokens (one branch per rank)."""
+        self.lengths = list(lengths)
+        self.same_queries = False
 
     def agree(self, groups: list, lengths: list[list[int]]) -> tuple[list[int], list[list[list[int]]]]:
         """Checks that every rank holds the same prompts and exchanges the branch lengths of each.
@@ -236,6 +250,48 @@ class _ReturnTokens(torch.autograd.Function):
         return _all_to_all(grad, ctx.group), None
 
 
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank's replica of the sum received a share of the loss gradient: each input gets their total.
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, shards: PromptShards) -> torch.Tensor:
+    """The sum of `x` over the ranks of `shards`, on every rank. Collective; differentiable, for a replicated pass:
+    each rank back-propagates its share of the loss through its copy of the sum, so each input gets the total."""
+    return _AllReduceSum.apply(x, shards.group)
+
+
+def merge_replicated(out: torch.Tensor, lse: torch.Tensor, shards: PromptShards) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges each rank's partial attention `out` `[..., Dv]` and log-sum-exp `lse` `[...]` over its own keys into the
+    attention over every rank's keys, for queries that every rank runs (a replicated pass): one all-reduce of the
+    maxima, one of the rescaled parts. Differentiable (the log-sum-exp maximum is a constant of the result).
+
+    Returns `(out, lse)` in `out`'s dtype; `lse` is -inf (and `out` zero) for queries that no rank's keys reach.
+    """
+    with torch.no_grad():
+        peak = lse.detach().clone()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=shards.group)
+        peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
+    weight = torch.exp(lse - peak)  # 0 where this rank's keys are out of reach
+    total = all_reduce_sum(torch.cat([out * weight[..., None], weight[..., None]], dim=-1), shards)
+    num, den = total[..., :-1], total[..., -1]
+    reached = den > 0
+    den = torch.where(reached, den, torch.ones_like(den))
+    merged_lse = torch.where(reached, peak + torch.log(den), torch.full_like(den, float("-inf")))
+    return num / den[..., None], merged_lse
+
+
 def gather_tokens(x: torch.Tensor, shards: PromptShards) -> torch.Tensor:
     """Every rank's tokens, stacked: `x` `[T, ...]` (`T = shards.lengths[rank]`) -> `[W, Tmax, ...]`, zero-padded.
 
@@ -328,6 +384,52 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         return None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
 
 
+class _ReplicatedPrefixAttention(torch.autograd.Function):
+    """`_ShardedPrefixAttention` for a pass whose queries are the same on every rank (a prefill or reverse chunk):
+    each rank attends them to its own chunks and the parts merge by all-reduce, with no query exchanged."""
+
+    @staticmethod
+    def forward(ctx, scale: float, shards: PromptShards, q, k, v, *prefix):
+        _, hq, t, d = q.shape
+        hkv, dv = k.shape[1], v.shape[-1]
+        qf = q.view(1, hkv, hq // hkv, t, d)
+        acc = _acc(q)
+        o_loc, lse_loc = _merge(qf, _prefix_parts(prefix), scale)
+        if o_loc is None:  # this rank holds no visible chunk
+            o_loc = torch.zeros(*qf.shape[:-1], dv, dtype=acc, device=q.device)
+            lse_loc = torch.full(qf.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        with torch.no_grad():
+            o_pre, lse_pre = merge_replicated(o_loc, lse_loc, shards)
+        o_self, lse_self = _merge(qf, _self_parts(k, v), scale)
+        lse = torch.logaddexp(lse_self, lse_pre)  # finite: each query sees its own key
+        out = o_self * torch.exp(lse_self - lse)[..., None] + o_pre * torch.exp(lse_pre - lse)[..., None]
+        ctx.scale, ctx.shards = scale, shards
+        ctx.save_for_backward(q, k, v, out, lse, *prefix)
+        return out.view(1, hq, t, dv).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, *prefix = ctx.saved_tensors
+        scale, shards = ctx.scale, ctx.shards
+        _, hq, t, d = q.shape
+        hkv = k.shape[1]
+        qf = q.view(1, hkv, hq // hkv, t, d)
+        acc = out.dtype
+        # This rank's share of the loss gradient. Its own causal part is linear in it, so the shares of all ranks
+        # add up to the whole; the chunks, held once, need the whole: the sum of the shares.
+        dout = grad_out.to(acc).view(out.shape)
+        dq = torch.zeros(qf.shape, dtype=acc, device=q.device)
+        dk, dvv = block_grads(qf, k, v, dout, (dout * out).sum(-1), lse, scale, True, True, dq)
+        total = dout.contiguous().clone()
+        dist.all_reduce(total, group=shards.group)
+        delta = (total * out).sum(-1)
+        prefix_grads = []
+        for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
+            need = ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i]
+            prefix_grads += block_grads(qf, pk, pv, total, delta, lse, scale, False, need, dq)
+        return None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
+
+
 def sharded_prefix_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -354,7 +456,8 @@ def sharded_prefix_attention(
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key heads ({key.shape[1]})")
     flat = [x for kv in prefix if kv is not None for x in kv]
-    return _ShardedPrefixAttention.apply(scale, shards, query, key, value, *flat)
+    function = _ReplicatedPrefixAttention if shards.same_queries else _ShardedPrefixAttention
+    return function.apply(scale, shards, query, key, value, *flat)
 
 
 def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
