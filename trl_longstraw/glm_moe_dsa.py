@@ -252,9 +252,9 @@ def sharded_select_topk(
     Each rank scores the queries against the index keys of its own chunks and keeps its best `topk` candidates per
     query: in a replicated pass (every rank runs the same queries) the candidates of every rank are all-gathered; in
     a branch round every rank's queries are gathered first and the candidates go back to the query owners
-    (all-to-all). The owners merge them in key order with their own tokens' keys, so ties break as unsharded (a query's global top-k under the order "higher
-    score, then earlier key" is the top-k of the ranks' top-ks). Collective: every rank of the group calls it for the
-    same layer of the same pass.
+    (all-to-all). The owners merge them in key order with their own tokens' keys, so ties break as unsharded (a
+    query's global top-k under the order "higher score, then earlier key" is the top-k of the ranks' top-ks).
+    Collective: every rank of the group calls it for the same layer of the same pass.
 
     Args:
         q, weights: `[S, H, D]` and `[S, H]` this rank's queries (`S = shards.lengths[rank]`).
@@ -459,9 +459,9 @@ def sharded_latent_attention(
     Each rank attends the queries to the keys they selected among its own chunks. In a replicated pass (every rank
     runs the same queries) the parts merge by all-reduce (`sharding.merge_replicated`); in a branch round every
     rank's queries are gathered and the partial latents and log-sum-exps go back to the query owners (all-to-all).
-    Either way they then merge with the part over the queries' own tokens. The collectives are differentiable, so the backward is the same exchange in reverse and
-    each chunk's gradient stays with the rank that holds it. Collective: every rank of the group calls it for the
-    same layer of the same pass.
+    Either way they then merge with the part over the queries' own tokens. The collectives are differentiable, so
+    the backward is the same exchange in reverse and each chunk's gradient stays with the rank that holds it.
+    Collective: every rank of the group calls it for the same layer of the same pass.
 
     Args:
         q: `[S, H, R + Dr]` absorbed queries of this rank (`S = shards.lengths[rank]`).
