@@ -31,12 +31,13 @@ class LongStrawGRPOConfig(GRPOConfig):
         shard_prompt_state (`bool`, *optional*, defaults to `False`):
             Spread each prompt's state over the ranks of a shard group: each rank keeps 1/W of the prompt chunks and
             attention over the prompt merges the ranks' parts. The ranks of a group must hold the same prompts in
-            every micro-batch (different completions of them). State memory shrinks W times; compute per rank is
-            unchanged; every attention layer of every pass exchanges queries and partial results. Gradients equal
-            the unsharded ones up to float rounding.
+            every micro-batch (different completions of them). State memory shrinks W times, and so does the
+            prompt attention of the prefill and reverse chunks; every attention layer of every pass exchanges
+            partial results. Gradients equal the unsharded ones up to float rounding.
         prompt_shard_group_size (`int`, *optional*, defaults to `0`):
             Ranks per shard group, consecutive in rank order (e.g. the GPUs of one node); `0` means all processes.
-            Must divide the number of processes.
+            Must divide the number of processes. Under FSDP2 only one group of all processes lets FSDP2 gather the
+            model layer by layer; smaller groups make the engine gather it whole.
         on_nonfinite (`str`, *optional*, defaults to `"raise"`):
             What a micro-batch whose per-token log-probs, entropies, loss or loss gradient are NaN or infinite does,
             checked before anything is back-propagated into the parameters. `"raise"`: stop with a `FloatingPointError`
@@ -92,7 +93,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=0,
         metadata={
             "help": "Ranks per prompt shard group, consecutive in rank order (e.g. one node's GPUs); 0 means all "
-            "processes. Must divide the number of processes."
+            "processes. Must divide the number of processes. Under FSDP2, 0 lets FSDP2 gather the model layer by "
+            "layer; smaller groups make the engine gather it whole."
         },
     )
     on_nonfinite: str = field(
