@@ -236,6 +236,22 @@ def test_largest_positions_is_exact(preset_stats, name, mode, shard):
     assert not estimate(stats, replace(setup, positions=longest + setup.prefill_chunk_size)).fits
 
 
+def test_branch_round_exchange_is_counted(preset_stats):
+    """A sharded branch round gathers every rank's queries of one attention layer and returns fp32 partial outputs:
+    GLM-5.2's absorbed MLA queries are 64 heads x (512 + 64) wide, its partial latents 64 x 512. The branch graph
+    grows by that exchange, linearly in the number of ranks; unsharded it has none."""
+    _, stats = preset_stats["glm-5.2"]
+    assert stats.query_exchange == (64 * 576, 64 * 512)
+    setup = Setup(positions=100_000, gpus=8, completion_length=1000, shard_prompt_state=True)
+
+    def branch(**changes):
+        return _item(estimate(stats, replace(setup, **changes)), "branch graph")
+
+    per_rank = 1000 * (64 * 576 * setup.compute_bytes + 3 * (64 * 512 + 1) * 4)
+    assert branch(gpus=16) - branch() == 8 * per_rank
+    assert branch() - branch(shard_prompt_state=False) == 8 * per_rank
+
+
 def test_whole_model_gather_without_sharded_state(preset_stats):
     """Without a sharded prompt state the ranks run different passes, so FSDP2 holds the whole model and its
     gradient during the engine's work: GLM-5.2 (1.5 TB in bf16) fits at no length, while per-pass gathering (the

@@ -248,6 +248,17 @@ def prompt_state_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:
     )
 
 
+def query_exchange(config) -> tuple[int, int]:
+    """`(query elements, output elements)` per token of one attention layer exchanged by a branch round of the
+    sharded prompt state: absorbed MLA queries `[latent | rope]` and latents for `glm_moe_dsa`, else `head_dim`
+    queries and values, for all query heads."""
+    heads = config.num_attention_heads
+    if config.model_type == "glm_moe_dsa":
+        return heads * (config.kv_lora_rank + config.qk_rope_head_dim), heads * config.kv_lora_rank
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads * head_dim, heads * head_dim
+
+
 # ------------------------------------------------------------------------------------------------------- model
 # Activation bytes of one layer, per token, as a multiple of the inputs and outputs of its matmuls (nn.Linear,
 # nn.Conv1d, and the `top_k` active experts of fused MoE weights). The multiple covers norms, activation functions and
@@ -273,6 +284,8 @@ class ModelStats:
         state_per_token: prompt-state bytes per prompt token (bf16 records).
         state_fixed: prompt-state bytes independent of the length (recurrent states).
         root_trainable: trainable parameters outside the decoder layers.
+        query_exchange: `(query elements, output elements)` per token of one attention layer as a branch round of the
+            sharded prompt state exchanges them: all heads' queries, and their outputs (the latent for MLA).
     """
 
     total_params: int
@@ -287,6 +300,7 @@ class ModelStats:
     state_per_token: int
     state_fixed: int
     root_trainable: int = 0
+    query_exchange: tuple[int, int] = (0, 0)
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -351,6 +365,7 @@ def model_stats(
         state_per_token=per_token,
         state_fixed=fixed,
         root_trainable=0 if lora_rank else trainable(causal_lm) - sum(trainable(layer) for layer in layers),
+        query_exchange=query_exchange(config),
     )
 
 
@@ -566,14 +581,16 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     else:
         graph_per_token = ACTIVATION_MULTIPLE * s.total_activation_elems * u.compute_bytes
         how = "every layer's activations"
-    items.append(
-        Item(
-            "branch graph",
-            u.completion_length * graph_per_token,
-            f"{u.completion_length:,} tokens x {_size(graph_per_token)} ({how})",
-            phase="activations",
-        )
-    )
+    branch = u.completion_length * graph_per_token
+    detail = f"{u.completion_length:,} tokens x {_size(graph_per_token)} ({how})"
+    if u.shard_prompt_state and u.gpus > 1:
+        # A branch round gathers every rank's queries for one attention layer at a time, and returns fp32 partial
+        # outputs (computed, sent, received: three copies).
+        queries, outputs = s.query_exchange
+        exchange = u.gpus * u.completion_length * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
+        branch += exchange
+        detail += f" + {_size(exchange)} exchanged by one attention layer across the {u.gpus} ranks' branches"
+    items.append(Item("branch graph", branch, detail, phase="activations"))
     chunk = min(u.prefill_chunk_size, max(tokens, 1))
     if exact:
         items.append(
@@ -708,16 +725,15 @@ MAX_GPUS = 4096
 
 
 def _fewest_gpus(stats: ModelStats, setup: Setup, fits) -> int | None:
-    """The fewest GPUs, from `setup.gpus` to `MAX_GPUS`, at which the budget fits; None if none."""
-    if setup.gpus >= MAX_GPUS or not fits(estimate(stats, replace(setup, gpus=MAX_GPUS))):
-        return None
-    if fits(estimate(stats, setup)):
-        return setup.gpus
-    lo, hi = setup.gpus, MAX_GPUS  # the budget shrinks with more GPUs; lo does not fit, hi does
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(estimate(stats, replace(setup, gpus=mid))) else (mid, hi)
-    return hi
+    """The fewest GPUs, from `setup.gpus` to `MAX_GPUS`, at which the budget fits; None if none.
+
+    A linear scan: the budget is not monotonic in the GPU count (a sharded branch round exchanges every rank's
+    queries, which grows with the ranks while the state shrinks).
+    """
+    for gpus in range(setup.gpus, MAX_GPUS + 1):
+        if fits(estimate(stats, replace(setup, gpus=gpus))):
+            return gpus
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- parsing
