@@ -145,6 +145,8 @@ def main(
     summary = summarize(trainer.state.log_history)
     summary["peak_memory_what"], summary["peak_memory_gib"] = peak_memory_gib()
     summary["train_runtime_s"] = trainer.state.log_history[-1].get("train_runtime", float("nan"))
+    summary["processes"] = trainer.accelerator.num_processes
+    summary["shard_group"] = trainer._prompt_shards.world if trainer._prompt_shards is not None else 0
     trainer.accelerator.print("\n" + format_summary(summary, script_args, training_args))
     if training_args.save_strategy != "no":
         trainer.save_model(training_args.output_dir)
@@ -153,4 +155,10 @@ def main(
 
 
 if __name__ == "__main__":
-    main(*parse(sys.argv[1:]))
+    trained = main(*parse(sys.argv[1:]))
+    if trained.accelerator.num_processes > 1:
+        # The run is complete and the process group destroyed; a gloo (CPU) run can still abort in interpreter
+        # teardown ("terminate called without an active exception"), which the launcher would report as a failure.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -293,3 +293,23 @@ def test_tiny_recipe_dry_run(tmp_path):
         assert entry["longstraw/peak_rss_gib"] > 0 and entry["longstraw/state_gib"] > 0
         assert entry["longstraw/prefill_s"] > 0 and entry["longstraw/reverse_s"] > 0
     assert (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
+def test_recipe_on_two_processes_with_sharded_state(tmp_path, family):
+    """`accelerate launch --multi_gpu --num_processes 2` of the recipe on CPU (gloo), the prompt state sharded over
+    both processes: each step's 8 completions are spread 4 per process, and the run ends with its summary."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--main_process_port", "0", "recipes/grpo_long.py", "--config", str(TINY)]
+    command += ["--model_name_or_path", f"longstraw/tiny-{family}", "--max_steps", "2", "--num_prompts", "8"]
+    command += ["--shard_prompt_state", "true", "--per_device_train_batch_size", "4"]
+    command += ["--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if "rror" in line or "terminate" in line or "what()" in line]
+    assert result.returncode == 0, "\n".join(errors[:40]) + "\n" + output[-3000:]
+    assert "processes               2, prompt state sharded over groups of 2" in result.stdout
+    assert "prompt positions        383 prefilled per micro-batch" in result.stdout

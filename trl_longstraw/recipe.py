@@ -255,6 +255,12 @@ def format_summary(summary: dict, script_args: LongStrawScriptArguments, args: L
             f"exact-match accuracy    first {w} steps {summary['accuracy_first']:.3f}  ->  last {w} steps "
             f"{summary['accuracy_last']:.3f}"
         )
+    if "processes" in summary:
+        sharded = summary.get("shard_group", 0)
+        lines.append(
+            f"processes               {summary['processes']}"
+            + (f", prompt state sharded over groups of {sharded}" if sharded else "")
+        )
     lines.append(f"train runtime           {summary['train_runtime_s']:.0f} s for {summary['logged_steps']} steps")
     lines.append("=" * 68)
     return "\n".join(lines)
