@@ -11,8 +11,9 @@ runs these scenarios on them:
 - `fsdp2_detached`: the same model, detached mode, `B`;
 - `sharded_exact` / `sharded_detached`: DDP with the prompt state sharded over both ranks, micro-batch `S` (the
   ranks hold the same prompts, different completions); `sharded_exact` with non-reentrant gradient checkpointing;
-- `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state, `S`: the ranks run in lockstep, so FSDP2
-  gathers and frees each layer pass by pass (how many other layers are gathered during a prefill is recorded);
+- `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state and non-reentrant gradient checkpointing,
+  `S`: the ranks run in lockstep, so FSDP2 gathers and frees each layer pass by pass (how many other layers are
+  gathered during a prefill is recorded);
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
   has no gradient to back-propagate;
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, and the glm_moe_dsa sharded
@@ -487,7 +488,10 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     fsdp.zero_grad(set_to_none=True)
     fsdp.set_requires_gradient_sync(True)
     others_gathered.clear()
+    # With non-reentrant checkpointing, as the recipes run FSDP2: recomputed layers are gathered again by FSDP2.
+    fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     step(fsdp, batches["S"], "exact")
+    fsdp.gradient_checkpointing_disable()
     results["fsdp2_sharded_exact"] = full_grads(fsdp)
     results["collectives"]["fsdp2_sharded_exact"] = log[start:]
     results["others_gathered"]["fsdp2_sharded_exact"] = max(others_gathered)
