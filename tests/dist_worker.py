@@ -140,7 +140,8 @@ def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
     lengths per rank (3 and 5); the gradient of each prefix chunk must reach its owner whole (the sum over ranks of
     the references'). Replicated passes (prefill, reverse): both ranks run the same 4 queries and back-propagate
     different shares of the loss; the shares' query, key and value gradients must add up to the reference's for the
-    sum of the shares, and each chunk's gradient on its owner must be the whole.
+    sum of the shares, and each chunk's gradient on its owner must be the whole; once more in fp32, through the fused
+    CPU kernels, against the fp64 reference (keys `fp32/...`).
     """
     from trl_longstraw import attention
     from trl_longstraw.attention import prefix_merge_attention
@@ -149,11 +150,17 @@ def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
     errors: dict[str, float] = {}
     saved_block, attention.KEY_BLOCK = attention.KEY_BLOCK, 2
     try:
-        for chunk_lengths, replicated in [([5, 4, 2], False), ([3], False), ([5, 4, 2], True), ([3], True)]:
+        for chunk_lengths, replicated, dtype in [
+            ([5, 4, 2], False, torch.float64),
+            ([3], False, torch.float64),
+            ([5, 4, 2], True, torch.float64),
+            ([3], True, torch.float64),
+            ([5, 4, 2], True, torch.float32),  # the fused CPU kernels (fp32) against the fp64 reference
+        ]:
             g = torch.Generator().manual_seed(len(chunk_lengths) + 10 * replicated)
 
-            def rand(*shape, g=g):
-                return torch.randn(*shape, generator=g, dtype=torch.float64)
+            def rand(*shape, g=g, dtype=dtype):
+                return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
 
             lengths = [4, 4] if replicated else [3, 5]
             chunks = [(rand(1, 2, n, 8), rand(1, 2, n, 8)) for n in chunk_lengths]
@@ -174,15 +181,19 @@ def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
 
             mine = [leaves(*c) if shards.owner(i) == rank else None for i, c in enumerate(chunks)]
             whole = [leaves(*c) for c in chunks]
-            ours, ref = leaves(q, k, v), leaves(q, k, v)
+            ours, ref = leaves(q, k, v), [x.double() for x in leaves(q, k, v)]
+            whole = [[x.double() for x in c] for c in whole]
+            for x in ref + [x for c in whole for x in c]:
+                x.retain_grad()
             out = sharded_prefix_attention(*ours, mine, 0.3, shards)
             expected = prefix_merge_attention(*ref, whole, 0.3)
             out.backward(grad_out)
-            expected.backward(grad_ref)
-            tag = f"{len(chunk_lengths)}chunks" + ("/replicated" if replicated else "")
+            expected.backward(grad_ref.double())
+            tag = ("fp32/" if dtype == torch.float32 else "") + f"{len(chunk_lengths)}chunks"
+            tag += "/replicated" if replicated else ""
             errors[f"{tag}/out"] = (out - expected).abs().max().item()
             for name, a, b in zip("qkv", ours, ref, strict=True):
-                got = a.grad.clone()
+                got = a.grad.double()
                 if replicated:  # the ranks' shares add up
                     dist.all_reduce(got)
                 errors[f"{tag}/d{name}"] = (got - b.grad).abs().max().item()
@@ -192,7 +203,7 @@ def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
                     if not replicated:  # each rank's reference saw its own queries only
                         dist.all_reduce(total)
                     if mine[i] is not None:
-                        errors[f"{tag}/dprefix{i}.{j}"] = (mine[i][j].grad - total).abs().max().item()
+                        errors[f"{tag}/dprefix{i}.{j}"] = (mine[i][j].grad.double() - total).abs().max().item()
     finally:
         attention.KEY_BLOCK = saved_block
     return errors

@@ -17,7 +17,7 @@ import pytest
 import torch
 from datasets import Dataset
 from dist_worker import make_batches, trainer_config
-from tolerances import DIST_GRAD_RTOL, LOGP_ATOL, SHARDED_ATTN_ATOL_FP64
+from tolerances import ATTN_ATOL_FP32, DIST_GRAD_RTOL, LOGP_ATOL, SHARDED_ATTN_ATOL_FP64, SHARDED_GRAD_RTOL
 from transformers import AutoConfig
 
 from trl_longstraw import LongStrawGRPOTrainer
@@ -136,13 +136,15 @@ def test_gradients_match_single_process(launch, reference, scenario):
     got = results[scenario]
     assert set(got) == set(expected)
     assert any(ref is not None for ref in expected.values())
+    # DDP and FSDP2 at the bar; the sharded state sums in more orders (see tolerances.py).
+    tolerance = SHARDED_GRAD_RTOL if "sharded" in scenario else DIST_GRAD_RTOL
     for name, ref in expected.items():
         if ref is None:
             assert got[name] is None or not got[name].any(), f"{scenario}: {name} got a gradient, stock has none"
             continue
         assert got[name] is not None, f"{scenario}: no gradient for {name}"
         error = ((got[name] - ref).norm() / ref.norm()).item()
-        assert error <= DIST_GRAD_RTOL, f"{scenario}: {name} relative error {error:.2e}"
+        assert error <= tolerance, f"{scenario}: {name} relative error {error:.2e}"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
@@ -216,8 +218,10 @@ def test_sharded_attention_fp64(launch):
     for rank, errors in enumerate(results["attention_errors"]):
         assert any("dprefix" in key for key in errors), f"rank {rank} owns no chunk"
         assert any("selection" in key for key in errors), f"rank {rank}: no DSA check ran"
+        assert any(key.startswith("fp32/") for key in errors), f"rank {rank}: no fp32 (fused kernel) check ran"
         for key, error in errors.items():
-            assert error <= SHARDED_ATTN_ATOL_FP64, f"rank {rank}: {key} max error {error:.2e}"
+            tolerance = ATTN_ATOL_FP32 if key.startswith("fp32/") else SHARDED_ATTN_ATOL_FP64
+            assert error <= tolerance, f"rank {rank}: {key} max error {error:.2e}"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)

@@ -51,11 +51,15 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal_offset: int |
     return s
 
 
-def _parts(k, v, prefix):
-    """The key/value parts in order: every prefix block (no mask), then the causal self block."""
+def _prefix_parts(prefix):
+    """`(k, v, None)` blocks of every prefix chunk (flat `k0, v0, k1, v1, ...`): no mask."""
     for pk, pv in zip(prefix[0::2], prefix[1::2], strict=True):
         for _, bk, bv in _blocks(pk, pv):
             yield bk, bv, None
+
+
+def _self_parts(k, v):
+    """`(k, v, causal_offset)` blocks of the queries' own keys."""
     for start, bk, bv in _blocks(k, v):
         yield bk, bv, start
 
@@ -85,22 +89,29 @@ def block_grads(qf, keys, values, dout, delta, lse, scale: float, causal: bool, 
 
 class _PrefixMergeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scale: float, q, k, v, *prefix):
+    def forward(ctx, scale: float, shards, q, k, v, *prefix):
         b, hq, t, d = q.shape
         hkv = k.shape[1]
         qf = q.view(b, hkv, hq // hkv, t, d)
         acc = _acc(q)
         out = torch.zeros(b, hkv, hq // hkv, t, v.shape[-1], dtype=acc, device=q.device)
         lse = torch.full((b, hkv, hq // hkv, t), float("-inf"), dtype=acc, device=q.device)
-        for bk, bv, causal_offset in _parts(k, v, prefix):
-            s = _scores(qf, bk, scale, causal_offset)
-            block_lse = torch.logsumexp(s, dim=-1)
-            new_lse = torch.logaddexp(lse, block_lse)
-            # A block that is fully masked for a row has lse -inf; exp(-inf - finite) = 0 keeps it out.
-            p = torch.exp(s - new_lse[..., None])
-            out = out * torch.exp(lse - new_lse)[..., None] + torch.einsum("bhgts,bhsd->bhgtd", p, bv.to(acc))
-            lse = new_lse
-        ctx.scale = scale
+
+        def add(parts, out, lse):
+            for bk, bv, causal_offset in parts:
+                s = _scores(qf, bk, scale, causal_offset)
+                new_lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
+                # A block that is fully masked for a row has lse -inf; exp(-inf - finite) = 0 keeps it out.
+                p = torch.exp(s - new_lse[..., None])
+                out = out * torch.exp(lse - new_lse)[..., None] + torch.einsum("bhgts,bhsd->bhgtd", p, bv.to(acc))
+                lse = new_lse
+            return out, lse
+
+        out, lse = add(_prefix_parts(prefix), out, lse)
+        if shards is not None:  # this rank's chunks are part of the prefix: merge the ranks' parts
+            out, lse = shards.merge_parts(out, lse)
+        out, lse = add(_self_parts(k, v), out, lse)
+        ctx.scale, ctx.shards = scale, shards
         ctx.save_for_backward(q, k, v, out, lse, *prefix)
         return out.view(b, hq, t, -1).to(q.dtype)
 
@@ -113,18 +124,16 @@ class _PrefixMergeAttention(torch.autograd.Function):
         qf = q.view(b, hkv, hq // hkv, t, d)
         acc = out.dtype
         dout = grad_out.to(acc).view(out.shape)
-        delta = (dout * out).sum(-1)  # [B, Hkv, g, T]
+        # Sharded replicated pass: `dout` is this rank's share; the chunks, held once, take the sum of the shares.
+        dout_prefix = dout if ctx.shards is None else ctx.shards.sum_shares(dout)
         dq = torch.zeros(qf.shape, dtype=acc, device=q.device)
-
-        def part_grads(keys, values, causal: bool, need_kv: bool):
-            return block_grads(qf, keys, values, dout, delta, lse, scale, causal, need_kv, dq)
-
         prefix_grads = []
+        delta = (dout_prefix * out).sum(-1)  # [B, Hkv, g, T]
         for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
-            need = ctx.needs_input_grad[4 + 2 * i] or ctx.needs_input_grad[5 + 2 * i]
-            prefix_grads += part_grads(pk, pv, causal=False, need_kv=need)
-        dk, dv = part_grads(k, v, causal=True, need_kv=True)
-        return None, dq.view(q.shape).to(q.dtype), dk, dv, *prefix_grads
+            need = ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i]
+            prefix_grads += block_grads(qf, pk, pv, dout_prefix, delta, lse, scale, False, need, dq)
+        dk, dv = block_grads(qf, k, v, dout, (dout * out).sum(-1), lse, scale, True, True, dq)
+        return None, None, dq.view(q.shape).to(q.dtype), dk, dv, *prefix_grads
 
 
 def _kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
@@ -182,7 +191,7 @@ class _KernelPrefixMergeAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, kind: str, scale: float, q, k, v, *prefix):
+    def forward(ctx, kind: str, scale: float, shards, q, k, v, *prefix):
         b, hq, t, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
@@ -204,12 +213,16 @@ class _KernelPrefixMergeAttention(torch.autograd.Function):
             part_out, part_lse, extra = _kernel_forward(kind, qf, _dense_last(pk), _dense_last(pv), False, scale)
             merge(part_out.reshape(b, hq, t, -1).float(), part_lse.reshape(b, hq, t))
             extras.append(extra)
+        if shards is not None:  # this rank's chunks are part of the prefix: merge the ranks' parts
+            merged_out, merged_lse = shards.merge_parts(out, lse)
+            out.copy_(merged_out)
+            lse.copy_(merged_lse)
         ke, ve = (x.repeat_interleave(g, dim=1) for x in (k, v))
         part_out, part_lse, extra = _kernel_forward(kind, q, ke, ve, True, scale)
         merge(part_out.float(), part_lse)
         extras.append(extra)
         out = out.to(q.dtype)
-        ctx.kind, ctx.scale, ctx.extras = kind, scale, extras
+        ctx.kind, ctx.scale, ctx.extras, ctx.shards = kind, scale, extras, shards
         ctx.save_for_backward(q, k, v, out, lse, *prefix)
         return out
 
@@ -221,12 +234,14 @@ class _KernelPrefixMergeAttention(torch.autograd.Function):
         hkv = k.shape[1]
         g = hq // hkv
         dout = grad_out.contiguous().to(q.dtype)
+        # Sharded replicated pass: `dout` is this rank's share; the chunks, held once, take the sum of the shares.
+        dout_prefix = dout if ctx.shards is None else ctx.shards.sum_shares(grad_out).to(q.dtype)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        folded = (q.view(b, hkv, g * t, d), dout.view(b, hkv, g * t, -1), out.view(b, hkv, g * t, -1))
+        folded = (q.view(b, hkv, g * t, d), dout_prefix.view(b, hkv, g * t, -1), out.view(b, hkv, g * t, -1))
         lse_f = lse.view(b, hkv, g * t)
         prefix_grads = []
         for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
-            need = ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i]
+            need = ctx.needs_input_grad[6 + 2 * i] or ctx.needs_input_grad[7 + 2 * i]
             if pk.shape[2] == 0:
                 prefix_grads += [torch.zeros_like(pk), torch.zeros_like(pv)] if need else [None, None]
                 continue
@@ -241,7 +256,7 @@ class _KernelPrefixMergeAttention(torch.autograd.Function):
         dq += dq_self
         dk = dke.reshape(b, hkv, g, t, -1).sum(2, dtype=torch.float32).to(k.dtype)
         dv = dve.reshape(b, hkv, g, t, -1).sum(2, dtype=torch.float32).to(v.dtype)
-        return None, None, dq.to(q.dtype), dk, dv, *prefix_grads
+        return None, None, None, dq.to(q.dtype), dk, dv, *prefix_grads
 
 
 def prefix_merge_attention(
@@ -250,6 +265,7 @@ def prefix_merge_attention(
     value: torch.Tensor,
     prefix: list[tuple[torch.Tensor, torch.Tensor]],
     scale: float,
+    shards=None,
 ) -> torch.Tensor:
     """Attention of `query` over `prefix` (all visible) and causally over its own `key`/`value`.
 
@@ -259,6 +275,9 @@ def prefix_merge_attention(
         prefix: chunks `(k_i, v_i)` of shape `[B, Hkv, S_i, D]` (or `[1, Hkv, S_i, D]`, shared by the B rows) that
             precede the queries.
         scale: softmax scale.
+        shards: a `sharding.PromptShards` in a replicated pass of a sharded prompt state: every rank runs the same
+            queries, `prefix` holds this rank's chunks, and the ranks' prefix parts merge across the group
+            (collective). The backward then takes `grad` as this rank's share of the loss gradient.
 
     Returns:
         `[B, Hq, T, Dv]` in the dtype of `query`.
@@ -270,8 +289,8 @@ def prefix_merge_attention(
     # A prefix of batch 1 shared by B query rows (shared-prompt decoding, batched scoring) broadcasts in the portable
     # path's einsums; the fused kernels would need it copied B times.
     if kind is not None and all(x.shape[0] == query.shape[0] for x in flat):
-        return _KernelPrefixMergeAttention.apply(kind, scale, query, key, value, *flat)
-    return _PrefixMergeAttention.apply(scale, query, key, value, *flat)
+        return _KernelPrefixMergeAttention.apply(kind, scale, shards, query, key, value, *flat)
+    return _PrefixMergeAttention.apply(scale, shards, query, key, value, *flat)
 
 
 def reference_attention(

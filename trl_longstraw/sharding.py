@@ -38,7 +38,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from .attention import _acc, _blocks, _scores, block_grads, prefix_merge_attention
+from .attention import _acc, _prefix_parts, _scores, _self_parts, block_grads, prefix_merge_attention
 
 
 class PromptShards:
@@ -103,6 +103,18 @@ class PromptShards:
         """Declares a pass where every rank runs the same `n` query tokens (a prefill or reverse chunk)."""
         self.lengths = [n] * self.world
         self.same_queries = True
+
+    def merge_parts(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention over every rank's chunks, from this rank's part `out` `[..., Dv]`, `lse` `[...]`, in a
+        replicated pass (`merge_replicated`, without autograd)."""
+        with torch.no_grad():
+            return merge_replicated(out, lse, self)
+
+    def sum_shares(self, grad: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of their shares `grad` of a loss gradient, in fp32 (or wider)."""
+        total = grad.to(torch.promote_types(grad.dtype, torch.float32)).contiguous().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
 
     def branch_round(self, lengths: list[int]) -> None:
         """Declares a pass where rank `r` runs its own `lengths[r]` query tokens (one branch per rank)."""
@@ -196,17 +208,6 @@ def _merge(qf: torch.Tensor, parts, scale: float) -> tuple[torch.Tensor, torch.T
         out = out * torch.exp(lse - safe)[..., None] + torch.einsum("bhgts,bhsd->bhgtd", p, bv.to(acc))
         lse = new_lse
     return out, lse
-
-
-def _prefix_parts(prefix):
-    for pk, pv in zip(prefix[0::2], prefix[1::2], strict=True):
-        for _, bk, bv in _blocks(pk, pv):
-            yield bk, bv, None
-
-
-def _self_parts(k, v):
-    for start, bk, bv in _blocks(k, v):
-        yield bk, bv, start
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -384,52 +385,6 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         return None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
 
 
-class _ReplicatedPrefixAttention(torch.autograd.Function):
-    """`_ShardedPrefixAttention` for a pass whose queries are the same on every rank (a prefill or reverse chunk):
-    each rank attends them to its own chunks and the parts merge by all-reduce, with no query exchanged."""
-
-    @staticmethod
-    def forward(ctx, scale: float, shards: PromptShards, q, k, v, *prefix):
-        _, hq, t, d = q.shape
-        hkv, dv = k.shape[1], v.shape[-1]
-        qf = q.view(1, hkv, hq // hkv, t, d)
-        acc = _acc(q)
-        o_loc, lse_loc = _merge(qf, _prefix_parts(prefix), scale)
-        if o_loc is None:  # this rank holds no visible chunk
-            o_loc = torch.zeros(*qf.shape[:-1], dv, dtype=acc, device=q.device)
-            lse_loc = torch.full(qf.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        with torch.no_grad():
-            o_pre, lse_pre = merge_replicated(o_loc, lse_loc, shards)
-        o_self, lse_self = _merge(qf, _self_parts(k, v), scale)
-        lse = torch.logaddexp(lse_self, lse_pre)  # finite: each query sees its own key
-        out = o_self * torch.exp(lse_self - lse)[..., None] + o_pre * torch.exp(lse_pre - lse)[..., None]
-        ctx.scale, ctx.shards = scale, shards
-        ctx.save_for_backward(q, k, v, out, lse, *prefix)
-        return out.view(1, hq, t, dv).to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, *prefix = ctx.saved_tensors
-        scale, shards = ctx.scale, ctx.shards
-        _, hq, t, d = q.shape
-        hkv = k.shape[1]
-        qf = q.view(1, hkv, hq // hkv, t, d)
-        acc = out.dtype
-        # This rank's share of the loss gradient. Its own causal part is linear in it, so the shares of all ranks
-        # add up to the whole; the chunks, held once, need the whole: the sum of the shares.
-        dout = grad_out.to(acc).view(out.shape)
-        dq = torch.zeros(qf.shape, dtype=acc, device=q.device)
-        dk, dvv = block_grads(qf, k, v, dout, (dout * out).sum(-1), lse, scale, True, True, dq)
-        total = dout.contiguous().clone()
-        dist.all_reduce(total, group=shards.group)
-        delta = (total * out).sum(-1)
-        prefix_grads = []
-        for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
-            need = ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i]
-            prefix_grads += block_grads(qf, pk, pv, total, delta, lse, scale, False, need, dq)
-        return None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
-
-
 def sharded_prefix_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -455,9 +410,12 @@ def sharded_prefix_attention(
         raise ValueError("sharded prompt state attends one row at a time (batch 1)")
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key heads ({key.shape[1]})")
+    if shards.same_queries:
+        # Every rank runs these queries: each attends them to its own chunks (through the fused kernels where they
+        # apply) and the parts merge by all-reduce.
+        return prefix_merge_attention(query, key, value, [kv for kv in prefix if kv is not None], scale, shards)
     flat = [x for kv in prefix if kv is not None for x in kv]
-    function = _ReplicatedPrefixAttention if shards.same_queries else _ShardedPrefixAttention
-    return function.apply(scale, shards, query, key, value, *flat)
+    return _ShardedPrefixAttention.apply(scale, shards, query, key, value, *flat)
 
 
 def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
