@@ -142,3 +142,23 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
     assert "llama" in ADAPTERS
     report = (tmp_path / "gpu_results.md").read_text()
     assert "## llama-tiny" in report and "largest prompt positions per step measured: 1,024" in report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_sharded_end_to_end(tmp_path):
+    """bench_sharded.py on the tiny llama, a prompt of 3 chunks: each setup reports, and the sharded one's larger
+    rank (rank 0 keeps chunks 0 and 2 of 3 equal chunks) holds 2/3 of DDP's prompt state."""
+    out = tmp_path / "SHARDED.md"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_sharded.py"), "--family", "llama", "--P", "385"]
+    command += ["--chunk", "128", "--G", "2", "--C", "3", "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    records = json.loads(out.with_suffix(".json").read_text())
+    by_setup = {r["setup"]: r for r in records}
+    assert set(by_setup) == {"1 process", "DDP x2", "sharded x2"}
+    assert by_setup["DDP x2"]["state_bytes"] == by_setup["1 process"]["state_bytes"] > 0
+    assert by_setup["sharded x2"]["state_bytes"] * 3 == by_setup["DDP x2"]["state_bytes"] * 2
+    assert all(r["time_s"] > 0 and r["reverse_s"] > 0 for r in records)
+    assert "| 385 | sharded x2 |" in out.read_text()

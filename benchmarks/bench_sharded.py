@@ -1,0 +1,217 @@
+"""The sharded prompt state on 2 CPU processes (gloo), side by side with 1 process and with plain DDP.
+
+One exact-mode GRPO training step on the same global micro-batch: one prompt of P tokens and G completions of
+ragged lengths (at most C tokens). Three setups, each in fresh processes launched with `torchrun`:
+
+- `1 process`: the whole micro-batch on one process;
+- `DDP x2`: 2 processes, G/2 completions each, every process prefills and keeps the whole prompt state;
+- `sharded x2`: the same with `shard_prompt_state=True`: each process keeps half of the prompt's chunks, and the
+  prefill and reverse chunks split their prompt attention over the two.
+
+Per process (the larger of the two ranks): the step's wall time, the prefill and reverse-pass time, the prompt state
+held (`longstraw/state_gib`), and the growth of the resident set during the step (peak RSS of the step minus RSS
+before it, as `bench_step.py` measures it). Each process runs one torch thread, so the 2-process setups use the 2
+cores of the machine. The driver prints a table with the ratios to `DDP x2` and writes `benchmarks/SHARDED.md`.
+
+    python benchmarks/bench_sharded.py                       # llama and qwen3_5, P in {8K, 32K}
+    python benchmarks/bench_sharded.py --family llama --P 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+SETUPS = {"1 process": (1, False), "DDP x2": (2, False), "sharded x2": (2, True)}
+GIB = 2**30
+
+
+# --------------------------------------------------------------------------------------------------------- worker
+def worker(args) -> None:
+    """One rank of one setup: a warm-up step on a short prompt, then the measured step; rank 0 prints the record."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from bench_step import PeakRSS, _rss, completion_lengths
+    from datasets import Dataset
+
+    from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+    from trl_longstraw.testing import random_micro_batch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    config = LongStrawGRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench_sharded_"),
+        per_device_train_batch_size=args.G // world,
+        num_generations=args.G,
+        max_completion_length=args.C,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        prefill_chunk_size=args.chunk,
+        prefill_progress=False,
+        shard_prompt_state=args.sharded,
+        beta=0.0,
+    )
+    dataset = Dataset.from_dict({"prompt": ["a b c"] * args.G})
+    trainer = LongStrawGRPOTrainer(
+        args.model_path, lambda completions, **kw: [0.0] * len(completions), config, train_dataset=dataset
+    )
+    assert trainer.accelerator.num_processes == world, (trainer.accelerator.num_processes, world)
+    assert (trainer._prompt_shards is not None) == args.sharded
+    trainer._prepare_inputs = lambda x: x
+    trainer.current_gradient_accumulation_steps = 1
+    model = trainer.accelerator.prepare_model(trainer.model) if world > 1 else trainer.model
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    vocab = trainer.model.config.get_text_config().vocab_size
+
+    def local(p: int) -> dict:
+        """This rank's rows of the global micro-batch (completions split evenly over the ranks)."""
+        lengths = completion_lengths(args.G, args.C, "ragged")
+        mb = random_micro_batch([p], lengths, [0] * args.G, vocab, seed=p)
+        rows = list(range(rank, args.G, world))
+        out = {k: v[rows] for k, v in mb.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
+        out["num_items_in_batch"] = mb["num_items_in_batch"]
+        return out
+
+    warm = local(min(args.P, 2 * args.chunk + 1))
+    trainer.training_step(model, warm, warm["num_items_in_batch"])
+    trainer.model.zero_grad(set_to_none=False)
+    batch = local(args.P)
+    gc.collect()
+    if world > 1:
+        dist.barrier()
+    baseline = _rss()
+    with PeakRSS(baseline, 1 << 62, lambda growth: None) as peak:
+        t0 = time.perf_counter()
+        trainer.training_step(model, batch, batch["num_items_in_batch"])
+        seconds = time.perf_counter() - t0
+    metrics = trainer._metrics["train"]
+    record = {
+        "time_s": seconds,
+        "growth_bytes": peak.peak() - baseline,
+        "state_bytes": metrics["longstraw/state_gib"][-1] * GIB,
+        "prefill_s": metrics["longstraw/prefill_s"][-1],
+        "reverse_s": metrics["longstraw/reverse_s"][-1],
+    }
+    records = [record]
+    if world > 1:
+        records = [None] * world
+        dist.all_gather_object(records, record)
+    if rank == 0:
+        print("RESULT " + json.dumps({key: max(r[key] for r in records) for key in record}), flush=True)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------------- driver
+def run(args, model_path: str, family: str, setup: str, p: int) -> dict:
+    processes, sharded = SETUPS[setup]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    command += [__file__, "--worker", "--model-path", model_path, "--P", str(p), "--G", str(args.G)]
+    command += ["--C", str(args.C), "--chunk", str(args.chunk)] + (["--sharded"] if sharded else [])
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)  # freed tensors leave the resident set, as in bench_step.py
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode or not lines:
+        raise RuntimeError(f"{family} {setup} P={p} failed:\n{(result.stdout + result.stderr)[-3000:]}")
+    record = {"family": family, "setup": setup, "P": p, **json.loads(lines[-1][len("RESULT ") :])}
+    print(
+        f"{family:8} {setup:11} P={p:>6}: {record['time_s']:7.2f} s, state {record['state_bytes'] / 2**20:8.1f} MiB, "
+        f"step growth {record['growth_bytes'] / 2**20:8.1f} MiB",
+        flush=True,
+    )
+    return record
+
+
+def table(records: list[dict], family: str) -> list[str]:
+    def get(setup, p):
+        return next(r for r in records if r["family"] == family and r["setup"] == setup and r["P"] == p)
+
+    lines = [
+        f"### {family}",
+        "",
+        "| P | setup | step s | prefill s | reverse s | prompt state MiB | step RSS growth MiB | state vs DDP x2 "
+        "| growth vs DDP x2 | time vs DDP x2 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in sorted({r["P"] for r in records if r["family"] == family}):
+        ddp = get("DDP x2", p)
+        for setup in SETUPS:
+            r = get(setup, p)
+            lines.append(
+                f"| {p:,} | {setup} | {r['time_s']:.2f} | {r['prefill_s']:.2f} | {r['reverse_s']:.2f} "
+                f"| {r['state_bytes'] / 2**20:.1f} | {r['growth_bytes'] / 2**20:.1f} "
+                f"| {r['state_bytes'] / ddp['state_bytes']:.2f}x | {r['growth_bytes'] / ddp['growth_bytes']:.2f}x "
+                f"| {r['time_s'] / ddp['time_s']:.2f}x |"
+            )
+    return lines + [""]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    parser.add_argument("--sharded", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--family", action="append", help="tiny model family (repeatable); default llama, qwen3_5")
+    parser.add_argument("--P", type=int, action="append", help="prompt tokens (repeatable); default 8192, 32768")
+    parser.add_argument("--G", type=int, default=4, help="completions of the prompt (even)")
+    parser.add_argument("--C", type=int, default=16, help="longest completion")
+    parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per launch")
+    parser.add_argument("--out", default=str(HERE / "SHARDED.md"), help="results file")
+    args = parser.parse_args(argv)
+    if args.worker:
+        args.P = args.P[0]
+        worker(args)
+        return
+
+    from trl_longstraw.testing import save_tiny_model
+
+    families = args.family or ["llama", "qwen3_5"]
+    sizes = args.P or [8192, 32768]
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families:
+            path = str(save_tiny_model(Path(tmp) / family, family))
+            for p in sizes:
+                for setup in SETUPS:
+                    records.append(run(args, path, family, setup, p))
+    command = "python benchmarks/bench_sharded.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    lines = [
+        "# Sharded prompt state on 2 CPU processes",
+        "",
+        f"Generated by `{command.strip()}` on {datetime.date.today().isoformat()}, {os.cpu_count()} CPU cores, "
+        f"gloo, one torch thread per process. One exact-mode step, one prompt of P tokens, G={args.G} completions "
+        f"(at most {args.C} tokens, ragged), prefill chunks of {args.chunk}, tiny random models "
+        "(`trl_longstraw.testing`). Per process: the larger of the two ranks. See the script's docstring.",
+        "",
+    ]
+    for family in families:
+        lines += table(records, family)
+    Path(args.out).write_text("\n".join(lines))
+    (Path(args.out).with_suffix(".json")).write_text(json.dumps(records, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
