@@ -18,8 +18,11 @@ engine works, and the gradient is reduced once, at the end of a micro-batch that
   reduce dtypes are honoured), with `reduce_scatter_unused_params` so that every rank reduce-scatters the same
   parameters. Cost: each rank holds the full parameters and full gradients during the engine's work (FSDP2 still
   shards them, and the optimizer state, between steps); the sync pass costs one token of compute.
+- FSDP2 per pass (`fsdp2_gathered(..., per_pass=True)`), when the prompt state is sharded over every process: the
+  ranks then run the same passes in lockstep, so FSDP2 gathers, frees and reduce-scatters layer by layer as it was
+  designed to; only the root's own parameters stay gathered, and the sync pass reduces their gradient.
 
-Both make the result equal to the single-process gradient of the global batch up to float summation order.
+All make the result equal to the single-process gradient of the global batch up to float summation order.
 """
 
 from __future__ import annotations
