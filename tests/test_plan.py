@@ -265,6 +265,31 @@ def test_whole_model_gather_without_sharded_state(preset_stats):
     assert largest_positions(stats, setup) == 0
 
 
+def test_shard_groups_smaller_than_the_gpus(preset_stats):
+    """Groups of 8 of 32 GPUs split the state 8 ways, exchange queries over 8 ranks, and run different passes
+    across groups, so FSDP2 holds the whole model, as without sharding."""
+    stats = _glm_lora(preset_stats)
+    setup = replace(_h200x32("exact", True), positions=100_000)
+    grouped = {i.name: i for i in estimate(stats, replace(setup, shard_group=8)).items}
+    whole = {i.name: i for i in estimate(stats, setup).items}
+    unsharded = {i.name: i for i in estimate(stats, replace(setup, shard_prompt_state=False)).items}
+    assert grouped["FSDP all-gathered"].nbytes == unsharded["FSDP all-gathered"].nbytes
+    assert grouped["FSDP all-gathered"].nbytes > 10 * whole["FSDP all-gathered"].nbytes
+    assert "sharded /8" in grouped["prompt state"].detail and "sharded /32" in whole["prompt state"].detail
+    assert "across the 8 ranks" in grouped["branch graph"].detail
+
+
+def test_cli_refuses_a_group_that_does_not_divide_the_gpus():
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_longstraw.plan", "--model", "glm-5.2", "--positions", "1000", "--gpus", "32"]
+        + ["--shard-prompt-state", "--prompt-shard-group-size", "6"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and "must divide --gpus (32)" in result.stderr
+
+
 def test_largest_positions_is_zero_when_nothing_fits(preset_stats):
     _, stats = preset_stats["glm-5.2"]
     setup = Setup(positions=1, gpus=32, gpu_memory=96 * 10**9)

@@ -101,6 +101,7 @@ def runtime_budget(
         gpus=gpus,
         gpu_memory=gpu_memory,
         shard_prompt_state=bool(getattr(args, "shard_prompt_state", False)),
+        shard_group=getattr(args, "prompt_shard_group_size", 0),
         fsdp=fsdp,
         gradient_checkpointing=bool(args.gradient_checkpointing),
         trainable_weight_bytes=weight_bytes,

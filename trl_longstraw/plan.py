@@ -391,7 +391,9 @@ class Setup:
         mode: "exact" or "detached".
         gpus: processes (one GPU each).
         gpu_memory: bytes per GPU (default 80 GB).
-        shard_prompt_state: the prompt state and its gradient are split over the GPUs.
+        shard_prompt_state: the prompt state and its gradient are split over the GPUs of a shard group.
+        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP only one group
+            of all GPUs lets FSDP2 gather layer by layer; smaller groups gather the whole model.
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
@@ -410,6 +412,7 @@ class Setup:
     gpus: int = 1
     gpu_memory: int = 80 * 10**9
     shard_prompt_state: bool = False
+    shard_group: int = 0
     fsdp: bool = True
     gradient_checkpointing: bool = True
     trainable_weight_bytes: int = 4
@@ -510,7 +513,8 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             + (f", sharded /{shards}" if shards > 1 else ""),
         ),
     ]
-    if shards > 1 and u.shard_prompt_state:
+    state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
+    if shards > 1 and state_parts == u.gpus:
         # Lockstep passes: FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the
         # root's own parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass.
         gathered = s.root_params + s.root_trainable + 2 * s.largest_layer_params + s.largest_layer_trainable
@@ -525,17 +529,17 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     elif shards > 1:
         # Ranks run different passes, so the engine gathers the whole model once per call and reduces the gradient
         # once per micro-batch (docs/distributed.md).
+        why = "shard groups smaller than the GPUs" if u.shard_prompt_state else "the prompt state is not sharded"
         items.append(
             Item(
                 "FSDP all-gathered",
                 (s.total_params + s.trainable_params) * u.compute_bytes,
-                "whole model + its unreduced gradient, gathered once per engine call (the prompt state is not "
-                f"sharded, so ranks run different passes), {u.compute_bytes} B each",
+                f"whole model + its unreduced gradient, gathered once per engine call ({why}, so ranks run "
+                f"different passes), {u.compute_bytes} B each",
             )
         )
     tokens = state_tokens(u.positions)
     chunks = -(-tokens // u.prefill_chunk_size)
-    state_parts = u.gpus if u.shard_prompt_state else 1
     # Per-token records (attention K/V, MLA latents) are split over the shard group. The fixed recurrent records
     # (Gated DeltaNet): the final one on every GPU, and in exact mode one per chunk boundary. Sharded, a boundary
     # stays on the owner of its chunk and the reverse pass holds one more, broadcast from its owner
@@ -583,13 +587,13 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         how = "every layer's activations"
     branch = u.completion_length * graph_per_token
     detail = f"{u.completion_length:,} tokens x {_size(graph_per_token)} ({how})"
-    if u.shard_prompt_state and u.gpus > 1:
+    if state_parts > 1:
         # A branch round gathers every rank's queries for one attention layer at a time, and returns fp32 partial
         # outputs (computed, sent, received: three copies).
         queries, outputs = s.query_exchange
-        exchange = u.gpus * u.completion_length * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
+        exchange = state_parts * u.completion_length * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
         branch += exchange
-        detail += f" + {_size(exchange)} exchanged by one attention layer across the {u.gpus} ranks' branches"
+        detail += f" + {_size(exchange)} exchanged by one attention layer across the {state_parts} ranks' branches"
     items.append(Item("branch graph", branch, detail, phase="activations"))
     chunk = min(u.prefill_chunk_size, max(tokens, 1))
     if exact:
@@ -804,6 +808,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk-size", type=parse_count, default=4096, help="default 4096")
     p.add_argument("--shard-prompt-state", action="store_true", help="split the prompt state over the GPUs")
     p.add_argument(
+        "--prompt-shard-group-size",
+        type=int,
+        default=0,
+        help="GPUs per prompt shard group (prompt_shard_group_size); default 0, all of them",
+    )
+    p.add_argument(
         "--precision",
         choices=["mixed", "bf16"],
         default="mixed",
@@ -817,7 +827,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.prompt_shard_group_size < 0 or (args.prompt_shard_group_size and args.gpus % args.prompt_shard_group_size):
+        parser.error(f"--prompt-shard-group-size must divide --gpus ({args.gpus}), or be 0 for all of them")
     if args.model in PRESETS:
         name = PRESETS[args.model][0]
         config = preset_config(args.model, args.positions + args.completion_length)
@@ -835,6 +848,7 @@ def main(argv: list[str] | None = None) -> int:
         gpus=args.gpus,
         gpu_memory=args.gpu_memory,
         shard_prompt_state=args.shard_prompt_state,
+        shard_group=args.prompt_shard_group_size,
         gradient_checkpointing=not args.no_gradient_checkpointing,
         trainable_weight_bytes=weight,
         grad_bytes=weight,
@@ -868,7 +882,12 @@ def main(argv: list[str] | None = None) -> int:
         + ("off" if args.no_gradient_checkpointing else "on"),
         f"  {args.gpus} GPU(s) x {args.gpu_memory / 1e9:g} GB ({_size(args.gpu_memory)}), FSDP full sharding, "
         f"{args.precision} precision, prompt "
-        "state " + ("sharded over the GPUs" if args.shard_prompt_state else "not sharded"),
+        "state "
+        + (
+            f"sharded over groups of {args.prompt_shard_group_size or args.gpus} GPUs"
+            if args.shard_prompt_state
+            else "not sharded"
+        ),
         "",
     ]
     print("\n".join(header) + format_budget(budget, "per-GPU budget at the peak of a step:"))
