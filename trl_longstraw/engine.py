@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .distributed import branch_model, finish_ddp, fsdp2_gathered
+from .distributed import branch_model, finish_ddp, fsdp2_gathered, fsdp2_root
 
 
 @dataclass
@@ -266,7 +266,8 @@ class Engine:
         self.shards = shards
         # A prompt state sharded over every process runs all ranks in lockstep, so FSDP2 can gather and free the
         # parameters pass by pass instead of holding them all (`distributed.fsdp2_gathered`).
-        self.fsdp_per_pass = shards is not None and shards.world == dist.get_world_size()
+        lockstep = shards is not None and shards.world == dist.get_world_size()
+        self.fsdp_per_pass = lockstep and fsdp2_root(model) is not None
         self.stats = StepStats()
         # The state of the last prompt prefilled, reused when the next request is for the same prompt
         # (scoring pass, then backward pass of the same micro-batch).
@@ -361,7 +362,7 @@ class Engine:
                         ).last_hidden_state
                         captured, p.sink = p.sink, None
                         outputs, grads = [], []
-                        if self.shards is not None:
+                        if self.fsdp_per_pass:
                             # A zero seed on the output: under per-pass FSDP2 the last layer's parameters are
                             # gathered again for backward by a hook on its output, which the records alone never reach.
                             outputs.append(hidden)

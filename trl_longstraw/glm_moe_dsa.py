@@ -478,10 +478,11 @@ def sharded_latent_attention(
     out, lse = _SparseLatentAttention.apply(scale, rank, own, q, own_kv)
     if prefix_len == 0:  # the same on every rank: the ranks hold the same prompt
         return out
+    is_held = [kv is not None for kv in prefix_kv]
     held = [kv for kv in prefix_kv if kv is not None] or [own_kv.new_zeros(0, own_kv.shape[1])]
     if shards.same_queries:
         # Every rank runs these queries: attend them to this rank's chunks and merge the parts by all-reduce.
-        mine = _localize(sel, starts, [kv is not None for kv in prefix_kv])
+        mine = _localize(sel, starts, is_held)
         part, part_lse = _SparseLatentAttention.apply(scale, rank, mine, q, *held)
         part, part_lse = merge_replicated(part.to(lse.dtype), part_lse, shards)
         return _merge_two(out, lse, part, part_lse).to(q.dtype)
@@ -489,7 +490,7 @@ def sharded_latent_attention(
     everyone = gather_tokens(q, shards).flatten(0, 1)  # [W * Tmax, H, R + Dr]
     with torch.no_grad():
         everyone_sel = gather_tokens(sel, shards).view(world * tmax, k)
-        mine = _localize(everyone_sel, starts, [kv is not None for kv in prefix_kv])
+        mine = _localize(everyone_sel, starts, is_held)
     part, part_lse = _SparseLatentAttention.apply(scale, rank, mine, everyone, *held)
     packed = torch.cat([part.to(lse.dtype), part_lse[..., None]], dim=-1).view(world, tmax, *part_lse.shape[1:], -1)
     received = return_tokens(packed, shards)  # [W, S, H, R + 1]

@@ -112,9 +112,7 @@ class PromptShards:
 
     def sum_shares(self, grad: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of their shares `grad` of a loss gradient, in fp32 (or wider)."""
-        total = grad.to(torch.promote_types(grad.dtype, torch.float32)).contiguous().clone()
-        dist.all_reduce(total, group=self.group)
-        return total
+        return _summed(grad.to(torch.promote_types(grad.dtype, torch.float32)), self.group)
 
     def branch_round(self, lengths: list[int]) -> None:
         """Declares a pass where rank `r` runs its own `lengths[r]` query tokens (one branch per rank)."""
@@ -251,20 +249,23 @@ class _ReturnTokens(torch.autograd.Function):
         return _all_to_all(grad, ctx.group), None
 
 
+def _summed(x: torch.Tensor, group) -> torch.Tensor:
+    """A copy of `x` summed over the ranks of `group`."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return _summed(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         # Every rank's replica of the sum received a share of the loss gradient: each input gets their total.
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _summed(grad, ctx.group), None
 
 
 def all_reduce_sum(x: torch.Tensor, shards: PromptShards) -> torch.Tensor:
