@@ -36,6 +36,9 @@ selected by many queries). Half-precision inputs multiply in their own dtype wit
 probabilities rounded to that dtype for the value product as flash attention does; fp32 inputs multiply in full fp32
 (`input_precision="ieee"`, no TF32).
 
+The sharded passes (`glm_moe_dsa.sharded_select_topk`, `sharded_latent_attention`) still run the reference; the
+attention kernel has the reference's `(out, lse)` interface, so they can take it where their parts are plain.
+
 Shapes (GLM-5: H = 64 heads, R = 512 latent, Dr = 64 rope, k = 2048 slots; indexer Hi = 32 heads, Di = 128):
 
 - selection: `q` `[S, Hi, Di]`, `weights` `[S, Hi]` fp32, key parts `[n_i, Di]` -> `[S, min(k, T)]` int64;
@@ -61,6 +64,10 @@ SCORE_TILE = 1 << 26
 # Heads per program and selected slots per step of the sparse attention (both at least 16 for tensor-core products).
 HEAD_BLOCK = 16
 SLOT_BLOCK = 32
+# Warps per program of the sparse attention (its `[HEAD_BLOCK, R]` fp32 accumulators and `[SLOT_BLOCK, R]` tiles are
+# large for GLM's R = 512) and of the top-k merge (one `[KP]` int64 sort per program). Untuned: no GPU measured them.
+ATTN_WARPS = 8
+TOPK_WARPS = 8
 # Rows (queries x heads) and keys per program of the score kernel.
 SCORE_ROWS = 64
 SCORE_KEY_BLOCK = 64
@@ -214,15 +221,9 @@ def select_topk(
 ) -> torch.Tensor:
     """`glm_moe_dsa.select_topk` by the kernels: the `topk` best visible keys of each query, ties to the earlier key.
 
-    Args:
-        q: `[S, H, D]` indexer queries after RoPE.
-        weights: `[S, H]` fp32 head weights.
-        key_parts: indexer keys `[n_i, D]` of each part, numbered across the parts in order.
-        query_start: key number of the first query.
-
-    Returns:
-        `[S, min(topk, T)]` int64 key numbers, `-1` in the slots of a query that sees fewer keys; row order
-        unspecified.
+    Inputs and output as `glm_moe_dsa.select_topk` (`q` `[S, H, D]`, fp32 `weights` `[S, H]`, key parts `[n_i, D]`
+    numbered across the parts -> `[S, min(topk, T)]` int64 with `-1` slots, row order unspecified); it computes
+    every query's scores, also where a query sees fewer than `topk` keys.
 
     Raises:
         ValueError: when a visible key's score is NaN.
@@ -277,7 +278,7 @@ def select_topk(
                 BP=_pow2(len(parts), 1),
                 LOW=low,
             )
-            _topk_merge_kernel[(rows,)](buffer, cand, nan, q0, k0, n, KP=kp)
+            _topk_merge_kernel[(rows,)](buffer, cand, nan, q0, k0, n, KP=kp, num_warps=TOPK_WARPS)
     if bool(nan.any()):
         raise ValueError("the DSA indexer produced NaN scores")
     cand = cand[:, :width]
@@ -316,6 +317,12 @@ def _slot_rows(
     kv_lat = tl.load(rows[:, None] + r[None, :], mask=valid[:, None] & (r < R)[None, :], other=0.0)
     kv_rope = tl.load(rows[:, None] + R + e[None, :], mask=valid[:, None] & (e < DR)[None, :], other=0.0)
     return valid, part, row, _cast(kv_lat, LOW), _cast(kv_rope, LOW)
+
+
+@triton.jit
+def _latent_scores(q_lat, q_rope, kv_lat, kv_rope, scale, LOW: tl.constexpr):
+    """Scores `[BH, BK]` of the absorbed queries against a tile of `kv` rows: latent and rope parts summed."""
+    return (_dot(q_lat, tl.trans(kv_lat), LOW) + _dot(q_rope, tl.trans(kv_rope), LOW)) * scale
 
 
 @triton.jit
@@ -361,7 +368,7 @@ def _sparse_mla_fwd_kernel(
         valid, part, row, kv_lat, kv_rope = _slot_rows(
             sel, i, j0, K, pointers, starts, kv0, P, R, DR, BK, BR, BDR, BP, LOW
         )
-        s = (_dot(q_lat, tl.trans(kv_lat), LOW) + _dot(q_rope, tl.trans(kv_rope), LOW)) * scale
+        s = _latent_scores(q_lat, q_rope, kv_lat, kv_rope, scale, LOW)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0 everywhere
@@ -410,7 +417,7 @@ def _sparse_mla_bwd_kernel(
     hm = h < H
     q_lat = _cast(_query_rows(q, i, h0, H, R + DR, 0, BH, BR, R), LOW)
     q_rope = _cast(_query_rows(q, i, h0, H, R + DR, R, BH, BDR, DR), LOW)
-    do = _query_rows(dout, i, h0, H, R, 0, BH, BR, R).to(tl.float32)
+    do = _cast(_query_rows(dout, i, h0, H, R, 0, BH, BR, R), LOW)
     row_lse = tl.load(lse + i * H + h, mask=hm, other=0.0)
     row_delta = tl.load(delta + i * H + h, mask=hm, other=0.0)
     dq_lat = tl.zeros((BH, BR), dtype=tl.float32)
@@ -421,7 +428,7 @@ def _sparse_mla_bwd_kernel(
         valid, part, row, kv_lat, kv_rope = _slot_rows(
             sel, i, j0, K, pointers, starts, kv0, P, R, DR, BK, BR, BDR, BP, LOW
         )
-        s = (_dot(q_lat, tl.trans(kv_lat), LOW) + _dot(q_rope, tl.trans(kv_rope), LOW)) * scale
+        s = _latent_scores(q_lat, q_rope, kv_lat, kv_rope, scale, LOW)
         p = tl.where(hm[:, None] & valid[None, :], tl.exp(s - row_lse[:, None]), 0.0)
         dp = _dot(do.to(kv_lat.dtype), tl.trans(kv_lat), LOW)
         ds = p * (dp - row_delta[:, None]) * scale  # [BH, BK]
@@ -455,6 +462,7 @@ def _attention_launch(q: torch.Tensor, parts: list[torch.Tensor], rank: int) -> 
             BDR=_pow2(width - rank),
             BP=_pow2(len(parts), 1),
             LOW=q.dtype in _HALF and q.dtype == parts[0].dtype,
+            num_warps=ATTN_WARPS,
         ),
     )
 
@@ -500,6 +508,7 @@ class SparseLatentAttention(torch.autograd.Function):
         sel, q, out, lse, *parts = ctx.saved_tensors
         need = ctx.needs_input_grad[4:]
         s, heads, width = q.shape
+        launch = _attention_launch(q, parts, ctx.rank)
         dout = grad_out.float()
         # d lse / d scores = p, so the gradient of the log-sum-exp joins that of the output's normalisation.
         delta = (dout * out).sum(-1) - (0 if grad_lse is None else grad_lse.float())
@@ -512,7 +521,6 @@ class SparseLatentAttention(torch.autograd.Function):
             pointers, starts = _tables(parts, q.device)
             addresses = [0 if g is None else g.data_ptr() for g in dparts]
             grads = torch.tensor(addresses, dtype=torch.int64, device=q.device)
-            launch = _attention_launch(q, parts, ctx.rank)
             _sparse_mla_bwd_kernel[launch["grid"]](
                 q,
                 sel,
@@ -520,7 +528,8 @@ class SparseLatentAttention(torch.autograd.Function):
                 starts,
                 parts[0],
                 grads,
-                dout.contiguous(),
+                # Half-precision products take the gradient in its own dtype, as it came.
+                (grad_out.to(q.dtype) if launch["sizes"]["LOW"] else dout).contiguous(),
                 lse.masked_fill(lse == float("-inf"), 0.0).contiguous(),
                 delta.contiguous(),
                 dq,
