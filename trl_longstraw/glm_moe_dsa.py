@@ -37,8 +37,9 @@ Stock semantics kept on purpose:
 Cost. Memory is bounded by the block constants below, whatever the prompt length. The work is plain torch ops in
 Python loops over blocks: the selection runs `S * T * index_n_heads / INDEX_TILE` score tiles, and the attention
 gathers from each record chunk that a block of `ATTN_SLOTS / index_topk` queries selects from. That is cheap for
-branches; a multi-million-token prefill spends much of its time in these loops, where a fused indexer/top-k and
-paged-gather kernel would not.
+branches; a multi-million-token prefill spends much of its time in these loops. On CUDA, `select_topk` and
+`sparse_latent_attention` run the Triton kernels of `dsa_kernels` instead (a fused indexer score and running top-k,
+and sparse MLA reading the record chunks in place), with this code as their reference.
 """
 
 from __future__ import annotations

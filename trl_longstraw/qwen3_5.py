@@ -25,8 +25,9 @@ the text stream exactly as it does for its own default `arange`, so text positio
 Cost: stock's torch fallback of the chunked delta rule writes each chunk's output in place into one buffer and slices
 its inputs chunk by chunk; autograd turns both into full-size buffers per chunk, so its backward grows quadratically
 with the length of the forward. `torch_gated_delta_rule` below is the same algorithm with `unbind`/`stack`, whose
-backward is linear, so the cost of exact mode is linear in the prompt length for any chunk size. On CUDA with bf16 or
-fp16 inputs the flash-linear-attention kernel is used when `fla` is installed (it rejects fp32).
+backward is linear, so the cost of exact mode is linear in the prompt length for any chunk size. On CUDA, when `fla`
+is installed (the `[cuda]` extra), flash-linear-attention's kernels run the delta rule for bf16 or fp16 inputs (it
+rejects fp32) and the causal conv, both from the recorded state and both differentiable in it.
 """
 
 from __future__ import annotations
