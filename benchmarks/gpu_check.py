@@ -2,9 +2,13 @@
 
 Stages, each run as its own process under a time limit:
 
-- `env`: versions and device; the fused-kernel path of `prefix_merge_attention` against the portable path and the
-  plain reference on the device (bf16, grouped-query heads, several prefix chunks, T=1, every gradient); a tiny
-  model's exact-mode gradients against stock `GRPOTrainer` on the device (fp32).
+- `env`: versions and device; the fused-kernel path of `prefix_merge_attention` (on CUDA each SDPA backend that
+  returns the log-sum-exp: FlashAttention-2 and cuDNN) against the portable path and the plain reference on the
+  device (bf16, grouped-query heads, several prefix chunks, T=1, every gradient), timed; the fastest exact backend is
+  used by the model stages; a tiny model's exact-mode gradients against stock `GRPOTrainer` on the device (fp32).
+- `kernels`: the CUDA kernels against their PyTorch references at real widths, for correctness and time: the Triton
+  DSA selection and sparse MLA (`trl_longstraw.dsa_kernels`, GLM-5's widths) and flash-linear-attention's Gated
+  DeltaNet rule and causal conv (Qwen3.6-27B's widths; the torch paths when fla is not installed).
 - `model --model NAME`: a real-width slice of a model (`SLICES`), in bf16. For `detached` and `exact` mode, a
   doubling search over prompt positions (G=8, C=128) up to `--max-positions`, each step timed, with its peak memory
   (`torch.cuda.max_memory_allocated`) and growth over the memory held before the step; the search stops when the
@@ -236,10 +240,12 @@ def _attend_and_grad(fn, q, k, v, prefix, grad_out, upcast: bool, device: str):
     return out, grads, time.perf_counter() - t0, type(out.grad_fn).__name__
 
 
-def attention_check(device: str, tiny: bool, results: Results) -> bool:
-    """The kernel path and the portable path of `prefix_merge_attention` against `reference_attention` on `device`.
+def attention_check(device: str, tiny: bool, results: Results) -> str | None:
+    """The kernel path (on CUDA each SDPA backend of `attention.CUDA_BACKENDS`, all of which return the log-sum-exp)
+    and the portable path of `prefix_merge_attention` against `reference_attention` on `device`.
 
-    Returns whether the output and every gradient are within the bf16 relative tolerance of the table."""
+    Returns the fastest backend whose output and every gradient are within the bf16 relative tolerance of the table
+    in every case (`"cpu"` for the CPU kernel), or None when none is."""
     import torch
     from tolerances import ATTN_RTOL_BF16
 
@@ -251,7 +257,9 @@ def attention_check(device: str, tiny: bool, results: Results) -> bool:
     cases.append((8, 8, 64, 97, [513]))
     if tiny:
         cases = [(4, 2, 16, 9, [13, 5]), (4, 2, 16, 1, [7]), (4, 4, 16, 5, [3])]
-    all_ok = True
+    backends = attention.CUDA_BACKENDS if device == "cuda" else ("cpu",)
+    paths = [("kernel", backend) for backend in backends] + [("portable", None)]
+    totals = {backend: 0.0 for backend in backends}  # fwd+bwd seconds over the cases; None once one fails
     for hq, hkv, d, t, sizes in cases:
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v, grad_out = (_rand(g, device, 1, h, t, d) for h in (hq, hkv, hkv, hq))
@@ -261,8 +269,10 @@ def attention_check(device: str, tiny: bool, results: Results) -> bool:
             return _attend_and_grad(fn, *inputs, upcast=upcast, device=device)
 
         ref, ref_grads, _, _ = run(attention.reference_attention, upcast=True)
-        for use_kernels in (True, False):
-            attention.USE_KERNELS = use_kernels
+        for path, backend in paths:
+            attention.USE_KERNELS = path == "kernel"
+            if device == "cuda" and backend is not None:
+                attention.CUDA_BACKEND = backend
             try:
                 run(attention.prefix_merge_attention, upcast=False)  # warm-up (kernel selection, allocator)
                 out, grads, seconds, fn = run(attention.prefix_merge_attention, upcast=False)
@@ -276,10 +286,13 @@ def attention_check(device: str, tiny: bool, results: Results) -> bool:
                 ok, errs, rels, seconds, fn, error = False, [], [], None, None, f"{type(e).__name__}: {e}"[:300]
             finally:
                 attention.USE_KERNELS = True
-            all_ok &= ok
+                attention.CUDA_BACKEND = "flash"
+            if backend is not None and totals[backend] is not None:
+                totals[backend] = totals[backend] + seconds if ok else None
             results.add(
                 kind="attention_check",
-                path="kernel" if use_kernels else "portable",
+                path=path,
+                backend=backend,
                 function=fn,
                 case=dict(Hq=hq, Hkv=hkv, D=d, T=t, prefix=sizes),
                 max_abs_err=max(errs) if errs else None,
@@ -289,7 +302,10 @@ def attention_check(device: str, tiny: bool, results: Results) -> bool:
                 seconds_fwd_bwd=seconds,
                 error=error,
             )
-    return all_ok
+    exact = {backend: total for backend, total in totals.items() if total is not None}
+    choice = min(exact, key=exact.get) if exact else None
+    results.add(kind="attention_backend", choice=choice, seconds_fwd_bwd=totals, default="flash")
+    return choice
 
 
 def e2e_check(device: str, results: Results) -> None:
@@ -375,12 +391,241 @@ def stage_env(args, results: Results) -> None:
     info["adapters"] = sorted(ADAPTERS)
     info["planner"] = planner_available()
     results.add(**info)
-    ok = attention_check(args.device, args.tiny, results)
-    (Path(args.out) / "kernel_ok").write_text("1" if ok else "0")
+    backend = attention_check(args.device, args.tiny, results)
+    (Path(args.out) / "kernel_ok").write_text("0" if backend is None else "1")
+    (Path(args.out) / "attention_backend").write_text(backend or "")
     try:
         e2e_check(args.device, results)
     except Exception as e:
         results.add(kind="e2e_check", ok=False, error=f"{type(e).__name__}: {e}"[:500])
+
+
+# ------------------------------------------------------------------------------------------------- kernels stage
+def timed(fn, device: str, repeat: int = 3):
+    """`(result of the last call, median seconds of `repeat` calls)`, after one warm-up call (Triton compiles then)."""
+    import torch
+
+    fn()
+    times, out = [], None
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return out, sorted(times)[len(times) // 2]
+
+
+@contextlib.contextmanager
+def dsa_kernels_off():
+    """glm_moe_dsa's PyTorch reference path for the block, even on CUDA."""
+    try:
+        from trl_longstraw import dsa_kernels
+    except ImportError:  # no Triton: the reference runs anyway
+        yield
+        return
+    dsa_kernels.USE_KERNELS = False
+    try:
+        yield
+    finally:
+        dsa_kernels.USE_KERNELS = True
+
+
+def _grads_of(function, inputs: list, grad_outs: list, leaves: list[int]):
+    """`function(*inputs)`'s outputs and the gradients of `sum(out * grad_out)` with respect to `inputs[i]`, i in
+    `leaves` (fresh leaves each call)."""
+    import torch
+
+    xs = [x.detach().clone().requires_grad_(i in leaves) if torch.is_tensor(x) else x for i, x in enumerate(inputs)]
+    outs = function(*xs)
+    loss = sum((o.float() * g.float()).sum() for o, g in zip(outs, grad_outs, strict=True) if g is not None)
+    return outs, torch.autograd.grad(loss, [xs[i] for i in leaves], allow_unused=True, materialize_grads=True)
+
+
+def _rel_errors(names, got, want) -> dict[str, float]:
+    return {name: rel_err(a, b) for name, a, b in zip(names, got, want, strict=True)}
+
+
+def dsa_check(device: str, tiny: bool, results: Results) -> None:
+    """Triton DSA kernels (`trl_longstraw.dsa_kernels`) against `glm_moe_dsa`'s PyTorch reference at GLM-5's widths:
+    the selection (random bf16 inputs, and integer inputs with many exact ties) and sparse MLA forward and backward
+    (bf16 against an fp32 reference), each timed against the reference on the same bf16 inputs."""
+    import torch
+    from tolerances import ATTN_RTOL_BF16
+
+    from trl_longstraw import glm_moe_dsa as glm
+
+    try:
+        from trl_longstraw import dsa_kernels
+    except ImportError as e:
+        results.add(kind="dsa_check", part="import", ok=False, error=f"{type(e).__name__}: {e}"[:300])
+        return
+    dsa_kernels.ON_CPU = device == "cpu"  # CPU: Triton's interpreter (TRITON_INTERPRET=1, set by main)
+    g = torch.Generator(device=device).manual_seed(0)
+    bf16 = torch.bfloat16
+
+    # Selection: S queries of a prefill chunk after two record chunks; GLM-5's indexer (32 heads of 128, top 2048).
+    s, chunks, heads, dim, topk = (6, [7, 5], 2, 16, 4) if tiny else (2048, [16384, 16384], 32, 128, 2048)
+    sizes, query_start = chunks + [s], sum(chunks)
+    total = query_start + s
+    for case in ("random", "ties"):
+        if case == "ties":  # integers: every score exact, many equal at the cut-off
+            q = torch.randint(-2, 3, (s, heads, dim), generator=g, device=device).to(bf16)
+            weights = torch.randint(0, 3, (s, heads), generator=g, device=device).float()
+            keys = [torch.randint(-2, 3, (n, dim), generator=g, device=device).to(bf16) for n in sizes]
+            scale = 1.0
+        else:
+            q = torch.randn(s, heads, dim, generator=g, device=device).to(bf16)
+            weights = torch.randn(s, heads, generator=g, device=device) * heads**-0.5
+            keys = [torch.randn(n, dim, generator=g, device=device).to(bf16) for n in sizes]
+            scale = dim**-0.5
+        args = (q, weights, keys, query_start, topk, scale)
+        try:
+            with dsa_kernels_off():
+                ref, ref_s = timed(lambda args=args: glm.select_topk(*args), device)
+            got, got_s = timed(lambda args=args: dsa_kernels.select_topk(*args), device)
+            chosen = torch.zeros(s, total + 1, dtype=torch.bool, device=device)
+            chosen.scatter_(1, torch.where(ref >= 0, ref, total), True)
+            found = chosen.gather(1, torch.where(got >= 0, got, total)) & (got >= 0)
+            recall = float(found.sum() / (ref >= 0).sum())
+            same = float((got.sort(dim=1).values == ref.sort(dim=1).values).all(dim=1).float().mean())
+            # Exact scores: the same selection row for row; float scores: summation order may flip near-ties.
+            ok, error = (same == 1.0) if case == "ties" else recall >= 0.999, None
+        except Exception as e:
+            ok, recall, same, ref_s, got_s, error = False, None, None, None, None, f"{type(e).__name__}: {e}"[:400]
+        results.add(
+            kind="dsa_check",
+            part="selection",
+            case=dict(inputs=case, S=s, chunks=chunks, heads=heads, dim=dim, topk=topk),
+            rows_identical=same,
+            recall=recall,
+            ok=ok,
+            seconds_reference=ref_s,
+            seconds_kernel=got_s,
+            error=error,
+        )
+
+    # Sparse MLA: GLM-5's 64 heads, latent 512, rope 64, top 2048; some empty slots.
+    s, chunks, heads, rank, rope, topk = (
+        (5, [6, 4], 3, 16, 8, 6) if tiny else (1024, [16384, 16384], 64, 512, 64, 2048)
+    )
+    sizes, query_start = chunks + [s], sum(chunks)
+    total = query_start + s
+    q = torch.randn(s, heads, rank + rope, generator=g, device=device).to(bf16)
+    kv = [torch.randn(n, rank + rope, generator=g, device=device).to(bf16) for n in sizes]
+    future = torch.arange(total, device=device)[None] > torch.arange(query_start, total, device=device)[:, None]
+    noise = torch.rand(s, total, generator=g, device=device).masked_fill(future, -1.0)
+    sel = noise.topk(topk, dim=1).indices
+    sel[: s // 2, topk - topk // 4 :] = -1  # empty slots in half the rows
+    grad_out = torch.randn(s, heads, rank, generator=g, device=device)
+    grad_lse = torch.randn(s, heads, generator=g, device=device)
+    leaves = list(range(3, 4 + len(sizes)))  # q and every kv part
+
+    def fwd_bwd(function, xs):
+        def attend(*args):
+            out, lse = function.apply(*args)
+            return out, lse.masked_fill(lse == float("-inf"), 0.0)
+
+        return _grads_of(attend, xs, [grad_out, grad_lse], leaves)
+
+    inputs = [0.3, rank, sel, q, *kv]
+    names = ["out", "lse", "grad q"] + [f"grad kv{i}" for i in range(len(sizes))]
+    try:
+        with dsa_kernels_off():
+            fp32 = [x.float() if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs]
+            ref_outs, ref_grads = fwd_bwd(glm._SparseLatentAttention, fp32)
+            _, ref_s = timed(lambda: fwd_bwd(glm._SparseLatentAttention, inputs), device)
+        (outs, grads), got_s = timed(lambda: fwd_bwd(dsa_kernels.SparseLatentAttention, inputs), device)
+        errors = _rel_errors(names, [*outs, *grads], [*ref_outs, *ref_grads])
+        ok, error = max(errors.values()) <= ATTN_RTOL_BF16, None
+    except Exception as e:
+        errors, ok, ref_s, got_s, error = {}, False, None, None, f"{type(e).__name__}: {e}"[:400]
+    results.add(
+        kind="dsa_check",
+        part="sparse MLA fwd+bwd",
+        case=dict(S=s, chunks=chunks, heads=heads, rank=rank, rope=rope, topk=topk),
+        rel_errors=errors,
+        rel_tolerance=ATTN_RTOL_BF16,
+        ok=ok,
+        seconds_reference=ref_s,
+        seconds_kernel=got_s,
+        error=error,
+    )
+
+
+def gdn_check(device: str, tiny: bool, results: Results) -> None:
+    """qwen3_5's Gated DeltaNet kernels at Qwen3.6-27B's widths: `gated_delta_rule` and `causal_conv` (fla's kernels
+    when installed) in bf16 against the torch references in fp32, from an initial state and a conv history, with the
+    gradients of every input; each timed against the torch path on the same bf16 inputs."""
+    import torch
+    from tolerances import ATTN_RTOL_BF16
+
+    from trl_longstraw import qwen3_5
+
+    fla = dict(delta_rule=qwen3_5.fla_chunk_gated_delta_rule is not None, conv=qwen3_5.fla_causal_conv1d is not None)
+    g = torch.Generator(device=device).manual_seed(0)
+    bf16 = torch.bfloat16
+    t, hk, hv, d = (37, 2, 4, 16) if tiny else (4096, 16, 48, 128)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device=device) * scale
+
+    q, k = randn(1, t, hk, d), randn(1, t, hk, d)
+    v = randn(1, t, hv, d)
+    gate = -torch.rand(1, t, hv, generator=g, device=device) * 0.3
+    beta = torch.rand(1, t, hv, generator=g, device=device)
+    state = randn(1, hv, d, d, scale=0.1)
+    grad_out, grad_state = randn(1, t, hv, d), randn(1, hv, d, d)
+    # Stock passes q, k, v and beta in the model dtype, g in fp32; the state is fp32.
+    low = [q.to(bf16), k.to(bf16), v.to(bf16), gate, beta.to(bf16), state]
+    high = [q, k, v, gate, beta, state]
+    names = ["out", "state"] + [f"grad {n}" for n in ("q", "k", "v", "g", "beta", "state")]
+    cases = [("delta rule", qwen3_5.gated_delta_rule, qwen3_5.torch_gated_delta_rule, low, high, grad_out, grad_state)]
+
+    channels, width = 2 * hk * d + hv * d, 4
+    x, weight, history = randn(1, t, channels), randn(channels, 1, width, scale=0.5), randn(1, channels, width - 1)
+    grad_conv = randn(1, t, channels)
+    conv_low = [x.to(bf16), weight.to(bf16), None, "silu", history.to(bf16)]
+    conv_high = [x, weight, None, "silu", history]
+    cases.append(("causal conv", qwen3_5.causal_conv, qwen3_5.torch_causal_conv, conv_low, conv_high, grad_conv, None))
+    for name, fast, reference, low_inputs, high_inputs, grad_a, grad_b in cases:
+        leaves = [i for i, x in enumerate(low_inputs) if torch.is_tensor(x)]
+
+        def fwd_bwd(function, inputs, grad_a=grad_a, grad_b=grad_b, leaves=leaves):
+            def outputs(*xs):
+                out = function(*xs)
+                return out if isinstance(out, tuple) else (out,)
+
+            return _grads_of(outputs, inputs, [grad_a, grad_b][: 2 if grad_b is not None else 1], leaves)
+
+        try:
+            ref_outs, ref_grads = fwd_bwd(reference, high_inputs)
+            (outs, grads), got_s = timed(lambda fn=fast, xs=low_inputs: fwd_bwd(fn, xs), device)
+            _, ref_s = timed(lambda fn=reference, xs=low_inputs: fwd_bwd(fn, xs), device)
+            labels = names if name == "delta rule" else ["out", "grad x", "grad weight", "grad history"]
+            errors = _rel_errors(labels, [*outs, *grads], [*ref_outs, *ref_grads])
+            ok, error = max(errors.values()) <= ATTN_RTOL_BF16, None
+        except Exception as e:
+            errors, ok, ref_s, got_s, error = {}, False, None, None, f"{type(e).__name__}: {e}"[:400]
+        results.add(
+            kind="gdn_check",
+            part=name,
+            fla=fla,
+            case=dict(T=t, Hk=hk, Hv=hv, D=d),
+            rel_errors=errors,
+            rel_tolerance=ATTN_RTOL_BF16,
+            ok=ok,
+            seconds_torch=ref_s,
+            seconds_kernel=got_s,
+            error=error,
+        )
+
+
+def stage_kernels(args, results: Results) -> None:
+    dsa_check(args.device, args.tiny, results)
+    gdn_check(args.device, args.tiny, results)
 
 
 # --------------------------------------------------------------------------------------------------- model stage
@@ -473,6 +718,58 @@ def parse_budget(text: str) -> dict[str, float]:
     return budget
 
 
+def _visible_pairs(first: int, n: int, cap: int | None = None) -> float:
+    """(query, key) pairs of `n` queries at positions `first..`, each seeing the keys up to itself, at most `cap`."""
+    if cap is None or first + n <= cap:
+        return n * first + n * (n + 1) / 2
+    if first >= cap:
+        return n * cap
+    below = cap - first  # queries that see fewer than `cap` keys
+    return below * first + below * (below + 1) / 2 + (n - below) * cap
+
+
+class FlopModel:
+    """Model FLOPs of the step's phases (the useful work; recomputation is not counted), for tokens/s and model FLOPs
+    utilisation (MFU). Per token, 2 FLOPs per active weight of the decoder layers (routed experts at their routing
+    fraction); attention per (query, visible key) pair: 4 Hq D for dense attention, 2 H (2 R + Dr) per selected key
+    and 2 Hi Di per scored key for MLA with DSA; about 6 Hv Dk Dv per token for a Gated DeltaNet layer (the state's
+    read, correction and update). A prefill is one forward over the prompt; the replays are forward and backward
+    (3x) of the completions at context P, with the LM head; the reverse pass is the prompt's backward (2x the prefill).
+    """
+
+    def __init__(self, model, family: str):
+        config = model.config.get_text_config()
+        self.family, self.config = family, config
+        routed = getattr(config, "num_experts_per_tok", 1) / max(1, getattr(config, "n_routed_experts", 1) or 1)
+        self.linear = 0.0
+        for name, param in model.named_parameters():
+            if param.dim() < 2 or "embed_tokens" in name or "lm_head" in name:
+                continue
+            self.linear += 2 * param.numel() * (routed if ".experts." in name else 1.0)
+        self.head = 2 * config.hidden_size * config.vocab_size
+
+    def attention(self, first: int, n: int) -> float:
+        c = self.config
+        pairs = _visible_pairs(first, n)
+        if self.family == "glm_moe_dsa":
+            indexers = sum(kind == "full" for kind in c.indexer_types)
+            selected = _visible_pairs(first, n, c.index_topk)
+            mla = 2 * c.num_attention_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
+            return c.num_hidden_layers * selected * mla + indexers * pairs * 2 * c.index_n_heads * c.index_head_dim
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        dense = 4 * c.num_attention_heads * head_dim * pairs
+        if self.family == "qwen3_5":
+            kinds = c.layer_types[: c.num_hidden_layers]
+            state = 6 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * n
+            return kinds.count("full_attention") * dense + kinds.count("linear_attention") * state
+        return c.num_hidden_layers * dense
+
+    def step(self, p: int, lengths: list[int]) -> dict[str, float]:
+        prefill = self.linear * p + self.attention(0, p)
+        replay = sum(3 * ((self.linear + self.head) * n + self.attention(p, n)) for n in lengths)
+        return dict(flops_prefill=prefill, flops_replay=replay, flops_reverse=2 * prefill)
+
+
 class Step:
     """One trainer over the slice; `measure(mode, P, G)` runs and times one training step."""
 
@@ -506,6 +803,7 @@ class Step:
         self.trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.args, self.memory, self.results, self.label = args, memory, results, label
         self.vocab = model.config.vocab_size
+        self.flops = FlopModel(model, SLICES[args.model]["family"])
 
     def measure(self, mode: str, p: int, g: int, phase: str = "search", record: bool = True) -> dict:
         import torch
@@ -518,6 +816,7 @@ class Step:
         mb = {k: v.to(self.args.device) for k, v in mb.items()}
         self.trainer.args.prompt_gradient = mode
         out = dict(kind="step", phase=phase, model=self.label, mode=mode, P=p, G=g, C=c, chunk=self.args.chunk)
+        out.update(self.flops.step(p, lengths), completion_tokens=sum(lengths))
         self.trainer.model.zero_grad(set_to_none=False)
         before = self.memory.current()
         self.memory.reset_peak()
@@ -593,6 +892,9 @@ def stage_model(args, results: Results) -> None:
         # The portable path's fp32 score tile is [Hq, chunk, KEY_BLOCK]: keep it near 1.6 GB at real widths.
         args.chunk = min(args.chunk, 4096)
         print("the kernel check failed: measuring with the portable attention path, chunk 4096", flush=True)
+    backend_file = Path(args.out) / "attention_backend"
+    if args.device == "cuda" and backend_file.exists() and backend_file.read_text() in attention.CUDA_BACKENDS:
+        attention.CUDA_BACKEND = backend_file.read_text()  # the fastest exact one of the env stage
     widths = spec["tiny" if args.tiny else "real"]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     t0 = time.monotonic()
@@ -608,6 +910,7 @@ def stage_model(args, results: Results) -> None:
         params=n_params,
         build_s=time.monotonic() - t0,
         kernels=attention.USE_KERNELS,
+        attention_backend=attention.CUDA_BACKEND,
         chunk=args.chunk,
         adapter=key,
         weights_gib=memory.current() / GIB if args.device == "cuda" else None,
@@ -645,6 +948,16 @@ def stage_model(args, results: Results) -> None:
                 step_s_G2=g2.get("step_s"),
                 step_s_G8=g8.get("step_s"),
             )
+    # The slice's kernels against their references on the smallest detached step: fla for qwen3_5, the Triton DSA
+    # kernels for glm_moe_dsa (on CPU both sides run the references).
+    first = [r for r in search_records(results, label, "detached") if r["status"] == "ok"][:1]
+    if (
+        first
+        and spec["family"] in ("qwen3_5", "glm_moe_dsa")
+        and 2.5 * first[0]["step_s"] < deadline - time.monotonic()
+    ):
+        with reference_kernels(spec["family"]):
+            step.measure("detached", first[0]["P"], 8, phase="reference kernels")
     if planner_available():
         for mode, r in largest.items():
             for p in (r["P"], 2**21):
@@ -655,6 +968,22 @@ def stage_model(args, results: Results) -> None:
                 results.add(kind="planner", model=label, mode=mode, P=p, **measured, **pred)
     else:
         results.add(kind="planner", model=label, status="trl_longstraw.plan not in this checkout")
+
+
+@contextlib.contextmanager
+def reference_kernels(family: str):
+    """The PyTorch references instead of the CUDA kernels for the block: the torch Gated DeltaNet rule and conv for
+    qwen3_5 (as without fla), the DSA reference for glm_moe_dsa."""
+    from trl_longstraw import qwen3_5
+
+    saved = qwen3_5.fla_chunk_gated_delta_rule, qwen3_5.fla_causal_conv1d
+    if family == "qwen3_5":
+        qwen3_5.fla_chunk_gated_delta_rule = qwen3_5.fla_causal_conv1d = None
+    try:
+        with dsa_kernels_off() if family == "glm_moe_dsa" else contextlib.nullcontext():
+            yield
+    finally:
+        qwen3_5.fla_chunk_gated_delta_rule, qwen3_5.fla_causal_conv1d = saved
 
 
 def search_records(results: Results, label: str, mode: str) -> list[dict]:
@@ -686,10 +1015,64 @@ def summary_general(records: list[dict]) -> list[str]:
                 f"{fmt(r.get('max_rel_err'), '.2e')} | {r['ok']} | {fmt(r.get('seconds_fwd_bwd'), '.4f')} | "
                 f"{r.get('error') or ''} |"
             )
+    for r in (r for r in records if r["kind"] == "attention_backend"):
+        times = ", ".join(f"{b}: {fmt(t, '.4f')} s" for b, t in r["seconds_fwd_bwd"].items())
+        md += [
+            "",
+            f"- SDPA backend for the prefix-merge parts: fastest exact **{r['choice']}** (fwd+bwd over the "
+            f"cases, `-` where a case failed: {times}); library default {r['default']}",
+        ]
+    md += summary_kernels(records)
     for r in (r for r in records if r["kind"] in ("e2e_check", "error")):
         md += ["", "## Tiny model on the device: exact mode vs stock GRPOTrainer" if r["kind"] == "e2e_check" else ""]
         md += [f"- {k}: {v}" for k, v in r.items() if k not in ("time",)]
     return md
+
+
+def summary_kernels(records: list[dict]) -> list[str]:
+    checks = [r for r in records if r["kind"] in ("dsa_check", "gdn_check")]
+    if not checks:
+        return []
+    md = [
+        "",
+        "## CUDA kernels vs their PyTorch references (bf16 vs fp32 reference; times on the same bf16 inputs)",
+        "",
+    ]
+    md += [
+        "| kernel | case | ok | errors | reference s | kernel s | speed-up | note |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
+    for r in checks:
+        ref_s, got_s = r.get("seconds_reference", r.get("seconds_torch")), r.get("seconds_kernel")
+        if r["kind"] == "dsa_check" and r["part"] == "selection":
+            errors = f"rows identical {fmt(r.get('rows_identical'), '.4f')}, recall {fmt(r.get('recall'), '.5f')}"
+        else:
+            errors = ", ".join(f"{k} {v:.1e}" for k, v in (r.get("rel_errors") or {}).items())
+        note = r.get("error") or (f"fla installed: {r['fla']}" if "fla" in r else "")
+        speedup = ref_s / got_s if ref_s and got_s else None
+        md.append(
+            f"| {r['kind'][:3]} {r['part']} | {r.get('case', '')} | {r['ok']} | {errors} | {fmt(ref_s, '.4f')} | "
+            f"{fmt(got_s, '.4f')} | {fmt(speedup, '.1f')} | {note} |"
+        )
+    return md
+
+
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}  # dense bf16 tensor-core peak (SXM)
+
+
+def peak_flops(records: list[dict]) -> float | None:
+    gpu = next((r.get("gpu") for r in records if r["kind"] == "env" and r.get("gpu")), None) or ""
+    return next((peak for name, peak in PEAK_BF16_FLOPS.items() if name in gpu), None)
+
+
+def throughput(r: dict, peak: float | None) -> dict[str, tuple[float | None, float | None]]:
+    """Per phase `(tokens/s, MFU)` of a step: prefill and reverse over P tokens, replays over the completions."""
+    out = {}
+    for phase, tokens in (("prefill", r["P"]), ("replay", r.get("completion_tokens")), ("reverse", r["P"])):
+        seconds, flops = r.get(f"{phase}_s"), r.get(f"flops_{phase}")
+        rate = tokens / seconds if seconds and tokens else None
+        out[phase] = (rate, flops / seconds / peak if seconds and flops and peak else None)
+    return out
 
 
 def summary_model(records: list[dict], label: str) -> list[str]:
@@ -733,6 +1116,23 @@ def summary_model(records: list[dict], label: str) -> list[str]:
                 f"linear extrapolation to 2^21 = 2,097,152 positions: {m1 + slope * (2**21 - p1):.1f} GiB "
                 "(extrapolated, not measured)"
             )
+    peak = peak_flops(records)
+    ok = [r for r in steps if r["status"] == "ok" and r.get("prefill_s")]
+    if ok:
+        md += ["", f"Tokens/s and model FLOPs utilisation (peak {fmt(peak, '.3g')} FLOP/s; see `FlopModel`):", ""]
+        md += ["| phase | mode | P | prefill tok/s | MFU | replay tok/s | MFU | reverse tok/s | MFU |"]
+        md += ["|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in ok:
+            cells = [f"{fmt(rate, ',.0f')} | {fmt(mfu, '.1%')}" for rate, mfu in throughput(r, peak).values()]
+            md.append(f"| {r.get('phase')} | {r['mode']} | {r['P']:,} | " + " | ".join(cells) + " |")
+    for r in (r for r in steps if r.get("phase") == "reference kernels" and r["status"] == "ok"):
+        same = [x for x in ok if x.get("phase") == "search" and x["mode"] == "detached" and x["P"] == r["P"]]
+        if same:
+            md.append(
+                f"- kernels vs PyTorch references (detached, P={r['P']:,}): prefill {same[0]['prefill_s']:.2f} s vs "
+                f"{r['prefill_s']:.2f} s ({r['prefill_s'] / same[0]['prefill_s']:.1f}x), step {same[0]['step_s']:.1f}"
+                f" s vs {r['step_s']:.1f} s"
+            )
     for r in (r for r in records if r["kind"] == "group_compare" and r["model"] == label):
         md.append(
             f"- G=2 vs G=8 at P={r['P']:,} (exact): peak {r['peak_gib_G2']:.2f} -> {r['peak_gib_G8']:.2f} GiB "
@@ -757,6 +1157,31 @@ def summary_model(records: list[dict], label: str) -> list[str]:
     return md
 
 
+def summary_prefill_ratio(records: list[dict]) -> list[str]:
+    """The issue's bar: the GLM slice's per-token prefill time at most 2x the Qwen slice's, at equal P (detached)."""
+
+    def per_token(prefix: str) -> dict[int, float]:
+        return {
+            r["P"]: r["prefill_s"] / r["P"]
+            for r in records
+            if r["kind"] == "step"
+            and r["model"].startswith(prefix)
+            and r.get("phase") == "search"
+            and r["mode"] == "detached"
+            and r["status"] == "ok"
+            and r.get("prefill_s")
+        }
+
+    glm, qwen = per_token("glm_moe_dsa"), per_token("qwen3_5")
+    common = sorted(set(glm) & set(qwen))
+    if not common:
+        return []
+    md = ["", "## GLM slice vs Qwen slice: prefill time per prompt token (detached)", ""]
+    md += ["| P | GLM ms/token | Qwen ms/token | ratio (bar: <= 2) |", "|---:|---:|---:|---:|"]
+    md += [f"| {p:,} | {glm[p] * 1e3:.3f} | {qwen[p] * 1e3:.3f} | {glm[p] / qwen[p]:.2f} |" for p in common]
+    return md
+
+
 def stage_summary(args, results: Results) -> None:
     records = []
     if results.path.exists():
@@ -765,6 +1190,7 @@ def stage_summary(args, results: Results) -> None:
     sections = [lambda: summary_general(records)]
     labels = list(dict.fromkeys(r["model"] for r in records if r["kind"] in ("model", "model_missing")))
     sections += [lambda label=label: summary_model(records, label) for label in labels]
+    sections.append(lambda: summary_prefill_ratio(records))
     for section in sections:
         try:
             md += section()
@@ -785,7 +1211,7 @@ def fmt(x, spec: str) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["env", "model", "summary"], required=True)
+    parser.add_argument("--stage", choices=["env", "kernels", "model", "summary"], required=True)
     parser.add_argument("--model", choices=sorted(SLICES), default="llama")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny widths and short prompts (CPU test of this script)")
@@ -803,6 +1229,9 @@ def main(argv=None):
     results = Results(Path(args.out) / "gpu_results.jsonl")
     if args.stage == "summary":
         return stage_summary(args, results)
+    if args.device == "cpu":
+        # Triton kernels run on CPU tensors through Triton's interpreter, which is chosen when a kernel is defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
     if args.device == "cpu":
@@ -815,7 +1244,7 @@ def main(argv=None):
     # The watchdog leaves a few seconds for the shell's `timeout` to be the last resort only.
     watchdog(args.budget_s + 10, results, f"{args.stage} {args.model if args.stage == 'model' else ''}".strip())
     try:
-        (stage_env if args.stage == "env" else stage_model)(args, results)
+        {"env": stage_env, "kernels": stage_kernels, "model": stage_model}[args.stage](args, results)
     except Exception as e:
         import traceback
 

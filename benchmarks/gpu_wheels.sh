@@ -8,8 +8,9 @@
 #
 #   bash benchmarks/gpu_wheels.sh            # then carry ".whl" in the device run
 #   WITH_PYARROW=1 bash benchmarks/gpu_wheels.sh   # also pyarrow (~45 MB), if the image's is older than 24
-#   WITH_FLA=1 bash benchmarks/gpu_wheels.sh       # also flash-linear-attention (Triton kernels for the Gated
-#                                                  # DeltaNet layers of qwen3_5; untested against the image's Triton)
+#   NO_FLA=1 bash benchmarks/gpu_wheels.sh         # without fla-core (flash-linear-attention's Triton kernels for
+#                                                  # qwen3_5's Gated DeltaNet rule and conv, 1.4 MB, pure Python;
+#                                                  # the image has Triton and einops, which it needs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -19,7 +20,7 @@ mkdir -p .whl
 PKGS=(trl==1.16.0 transformers==5.23.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 peft==0.21.2 regex==2026.11.19
     tokenizers==0.23.3 safetensors==0.8.0)
 if [ "${WITH_PYARROW:-0}" = 1 ]; then PKGS+=(pyarrow==26.0.1); fi
-if [ "${WITH_FLA:-0}" = 1 ]; then PKGS+=(fla-core==0.6.0 flash-linear-attention==0.6.0); fi
+if [ "${NO_FLA:-0}" != 1 ]; then PKGS+=(fla-core==0.6.0); fi
 "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl "${PKGS[@]}"

@@ -1,7 +1,13 @@
-import pytest
-import torch
+import os
 
-from trl_longstraw.testing import save_tiny_model
+# The Triton kernels (trl_longstraw/dsa_kernels.py) run on CPU tensors through Triton's interpreter in the tests.
+# Triton reads the flag when a kernel is defined, so it is set before anything imports trl_longstraw.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from trl_longstraw.testing import save_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

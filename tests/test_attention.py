@@ -206,6 +206,13 @@ def test_dispatch(monkeypatch, dtype, v_dim, use_kernels, expected):
     assert type(out.grad_fn).__name__ == expected + "Backward"
 
 
+def test_rejects_unknown_cuda_backend(monkeypatch):
+    monkeypatch.setattr(attention, "CUDA_BACKEND", "efficient")
+    q, k, v, prefix = make_inputs(1, 4, 2, 3, [2])
+    with pytest.raises(ValueError, match="CUDA_BACKEND='efficient'"):
+        prefix_merge_attention(q, k, v, prefix, 0.5)
+
+
 def test_rejects_heads_not_multiple():
     q, k, v, prefix = make_inputs(1, 3, 2, 2, [1])
     with pytest.raises(ValueError, match="multiple of key heads"):

@@ -74,6 +74,26 @@ def test_parse_planner_budget():
     assert budget == {"weights": 100.20, "branch graph": 146.55 / 1024, "scores": 16.0 / 2**20, "peak": 815.37}
 
 
+def test_visible_pairs_and_flop_model():
+    for first, n, cap in [(0, 7, None), (5, 4, None), (0, 9, 4), (3, 6, 4), (10, 3, 4), (2, 2, 4)]:
+        brute = sum(min(first + i + 1, cap or 10**9) for i in range(n))
+        assert gpu_check._visible_pairs(first, n, cap) == brute, (first, n, cap)
+    from transformers import AutoModelForCausalLM
+
+    from trl_longstraw.testing import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", 64))
+    flops = gpu_check.FlopModel(model, "llama")
+    c = model.config
+    layers = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and ".layers." in n)
+    assert flops.linear == 2 * layers
+    step = flops.step(10, [3, 2])
+    attention = 4 * c.num_attention_heads * c.head_dim * c.num_hidden_layers * 55  # 55 = 1 + 2 + ... + 10 pairs
+    assert (
+        step["flops_prefill"] == flops.linear * 10 + attention and step["flops_reverse"] == 2 * step["flops_prefill"]
+    )
+
+
 def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
 
@@ -125,7 +145,17 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
     assert not {"error", "stage_timeout"} & kinds, [r for r in records if r["kind"] in ("error", "stage_timeout")]
     checks = [r for r in records if r["kind"] == "attention_check"]
     assert {r["path"] for r in checks} == {"kernel", "portable"} and all(r["ok"] for r in checks), checks
+    assert next(r for r in records if r["kind"] == "attention_backend")["choice"] == "cpu"
     assert next(r for r in records if r["kind"] == "e2e_check")["ok"]
+    # The kernels stage: the Triton DSA kernels through Triton's interpreter, the GDN paths (torch without fla).
+    kernels = [(r["kind"], r["part"], r["ok"]) for r in records if r["kind"] in ("dsa_check", "gdn_check")]
+    assert sorted(kernels) == [
+        ("dsa_check", "selection", True),
+        ("dsa_check", "selection", True),
+        ("dsa_check", "sparse MLA fwd+bwd", True),
+        ("gdn_check", "causal conv", True),
+        ("gdn_check", "delta rule", True),
+    ], kernels
 
     from trl_longstraw.adapters import ADAPTERS
 
@@ -139,9 +169,14 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
             done = [r for r in steps if r["mode"] == mode and r["phase"] == "search" and r["status"] == "ok"]
             assert [r["P"] for r in done] == [256, 512, 1024], (label, mode, steps)
         assert any(r["kind"] == "group_compare" and r["model"] == label for r in records)
+        assert all(r["flops_prefill"] > 0 and r["flops_replay"] > 0 for r in steps)
+        if model != "llama":
+            assert any(r["phase"] == "reference kernels" and r["status"] == "ok" for r in steps), steps
     assert "llama" in ADAPTERS
     report = (tmp_path / "gpu_results.md").read_text()
     assert "## llama-tiny" in report and "largest prompt positions per step measured: 1,024" in report
+    assert "## CUDA kernels vs their PyTorch references" in report and "prefill tok/s" in report
+    assert "## GLM slice vs Qwen slice: prefill time per prompt token" in report
 
 
 @pytest.mark.slow

@@ -10,10 +10,11 @@ Grouped-query attention is handled by folding the `g = Hq / Hkv` query heads tha
 axis: `[B, Hq, T, D] -> [B, Hkv, g, T, D]`.
 
 Two implementations of the same math: where PyTorch has a fused attention kernel that returns the log-sum-exp (the
-CPU flash kernel; FlashAttention-2 on CUDA for fp16/bf16 with equal key and value widths up to 256), each part runs
-through that kernel and its backward is the kernel's backward fed with the *merged* output and log-sum-exp, which
-gives exactly the part's share of the gradients. Elsewhere (fp64, other devices, value width != key width, or
-`USE_KERNELS = False`) the portable path scores blocks of `KEY_BLOCK` keys with einsum in fp32.
+CPU flash kernel; on CUDA for fp16/bf16 with equal key and value widths up to 256, FlashAttention-2 or, with
+`CUDA_BACKEND = "cudnn"`, cuDNN's attention), each part runs through that kernel and its backward is the kernel's
+backward fed with the *merged* output and log-sum-exp, which gives exactly the part's share of the gradients.
+Elsewhere (fp64, other devices, value width != key width, or `USE_KERNELS = False`) the portable path scores blocks of
+`KEY_BLOCK` keys with einsum in fp32.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import torch
 KEY_BLOCK = 4096
 # Use the fused kernels where `_kernel_for` finds one; False forces the portable path (tests compare the two).
 USE_KERNELS = True
+# The SDPA kernel of the CUDA parts: "flash" (FlashAttention-2) or "cudnn". Both return the log-sum-exp that the merge
+# needs; benchmarks/gpu_check.py measures both against the reference on the GPU and reports the fastest exact one.
+CUDA_BACKENDS = ("flash", "cudnn")
+CUDA_BACKEND = "flash"
 
 
 def _blocks(keys: torch.Tensor, values: torch.Tensor):
@@ -137,7 +142,10 @@ class _PrefixMergeAttention(torch.autograd.Function):
 
 
 def _kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
-    """The fused kernel family for these inputs (`"cpu"` or `"cuda_flash"`), or None for the portable path."""
+    """The fused kernel family for these inputs (`"cpu"`, `"cuda_flash"` or `"cuda_cudnn"`), or None for the portable
+    path."""
+    if CUDA_BACKEND not in CUDA_BACKENDS:
+        raise ValueError(f"trl_longstraw.attention.CUDA_BACKEND={CUDA_BACKEND!r}: choose one of {CUDA_BACKENDS}")
     if not USE_KERNELS or key.shape[-1] != value.shape[-1]:
         return None
     if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16):
@@ -148,7 +156,7 @@ def _kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
         and query.shape[-1] <= 256
         and query.shape[-1] % 8 == 0
     ):
-        return "cuda_flash"
+        return f"cuda_{CUDA_BACKEND}"
     return None
 
 
@@ -164,6 +172,12 @@ def _kernel_forward(kind: str, q, k, v, causal: bool, scale: float):
     if kind == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse, ()
+    if kind == "cuda_cudnn":
+        # No bias; the log-sum-exp comes as [B, H, T, 1].
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
+        return out, lse[..., 0], (cum_q, cum_k, max_q, max_k, seed, offset)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale
     )
@@ -177,6 +191,25 @@ def _kernel_backward(kind: str, dout, q, k, v, out, lse, causal: bool, scale: fl
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
     cum_q, cum_k, max_q, max_k, seed, offset = extra
+    if kind == "cuda_cudnn":
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse[..., None],
+            seed,
+            offset,
+            None,
+            cum_q,
+            cum_k,
+            max_q,
+            max_k,
+            0.0,
+            causal,
+            scale=scale,
+        )[:3]
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
     )[:3]

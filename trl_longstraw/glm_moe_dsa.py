@@ -37,8 +37,9 @@ Stock semantics kept on purpose:
 Cost. Memory is bounded by the block constants below, whatever the prompt length. The work is plain torch ops in
 Python loops over blocks: the selection runs `S * T * index_n_heads / INDEX_TILE` score tiles, and the attention
 gathers from each record chunk that a block of `ATTN_SLOTS / index_topk` queries selects from. That is cheap for
-branches; a multi-million-token prefill spends much of its time in these loops, where a fused indexer/top-k and
-paged-gather kernel would not.
+branches; a multi-million-token prefill spends much of its time in these loops. On CUDA, `select_topk` and
+`sparse_latent_attention` run the Triton kernels of `dsa_kernels` instead (a fused indexer score and running top-k,
+and sparse MLA reading the record chunks in place), with this code as their reference.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttent
 
 from .engine import active_pass
 from .sharding import PromptShards, gather_tokens, merge_replicated, return_tokens
+
+try:  # Triton kernels of the selection and the sparse attention, used on CUDA (see `dsa_kernels.enabled`)
+    from . import dsa_kernels
+except ImportError:  # no Triton: the PyTorch code below, which is also the kernels' reference
+    dsa_kernels = None
 
 # Query x selected-key slots gathered at once by the sparse attention. Bounds the `[Q * k, kv_lora_rank + rope]`
 # gathered rows (and the `[Q, heads, k]` scores) alive during its forward and backward: 2^18 slots of 576 fp32 values
@@ -228,6 +234,8 @@ def select_topk(
     s = q.shape[0]
     if query_start + s <= topk:
         return _dense_selection(s, query_start, total, topk, q.device)
+    if dsa_kernels is not None and dsa_kernels.enabled(q):
+        return dsa_kernels.select_topk(q, weights, key_parts, query_start, topk, scale)
     numbered, first = [], 0
     for part in key_parts:
         numbered.append((first, part))
@@ -425,7 +433,10 @@ def sparse_latent_attention(
     Returns:
         `[S, H, R]` softmax-weighted latents (to be unfolded through `W_uv`), in the dtype of `q`.
     """
-    return _SparseLatentAttention.apply(scale, rank, sel, q, *kv_parts)[0]
+    kernel = dsa_kernels is not None and dsa_kernels.enabled(q)
+    return (dsa_kernels.SparseLatentAttention if kernel else _SparseLatentAttention).apply(
+        scale, rank, sel, q, *kv_parts
+    )[0]
 
 
 def _localize(sel: torch.Tensor, starts: list[int], held: list[bool]) -> torch.Tensor:

@@ -25,8 +25,9 @@ the text stream exactly as it does for its own default `arange`, so text positio
 Cost: stock's torch fallback of the chunked delta rule writes each chunk's output in place into one buffer and slices
 its inputs chunk by chunk; autograd turns both into full-size buffers per chunk, so its backward grows quadratically
 with the length of the forward. `torch_gated_delta_rule` below is the same algorithm with `unbind`/`stack`, whose
-backward is linear, so the cost of exact mode is linear in the prompt length for any chunk size. On CUDA with bf16 or
-fp16 inputs the flash-linear-attention kernel is used when `fla` is installed (it rejects fp32).
+backward is linear, so the cost of exact mode is linear in the prompt length for any chunk size. On CUDA, when `fla`
+is installed (the `[cuda]` extra), flash-linear-attention's kernels run the delta rule for bf16 or fp16 inputs (it
+rejects fp32) and the causal conv, both from the recorded state and both differentiable in it.
 """
 
 from __future__ import annotations
@@ -49,10 +50,17 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 from .engine import active_pass
 from .kv import attention_switched
 
-try:  # flash-linear-attention (CUDA, Triton)
+try:  # flash-linear-attention (CUDA, Triton): `pip install trl_longstraw[cuda]`
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 except ImportError:  # CPU installs, or GPU installs without fla: the torch path below
     fla_chunk_gated_delta_rule = None
+try:
+    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+except ImportError:
+    try:  # fla releases before 0.5
+        from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
+    except ImportError:
+        fla_causal_conv1d = None
 
 # Positions per block of the chunked delta rule; stock uses 64 too.
 DELTA_RULE_BLOCK = 64
@@ -172,6 +180,45 @@ def gated_delta_rule(
     return torch_gated_delta_rule(query, key, value, g, beta, initial_state)
 
 
+def torch_causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, history: torch.Tensor | None
+) -> torch.Tensor:
+    """The depthwise causal conv of `Qwen3_5GatedDeltaNet` over `x` `[B, n, C]`, preceded by `history`.
+
+    Args:
+        weight: `[C, 1, W]`; bias: `[C]` or None.
+        history: `[B, C, W - 1]` the inputs before `x` (None: zeros, as stock pads the start of a sequence).
+
+    Returns:
+        `activation(conv)` `[B, n, C]` in the dtype of `x`.
+    """
+    x = x.transpose(1, 2)
+    if history is None:
+        history = x.new_zeros(x.shape[0], x.shape[1], weight.shape[-1] - 1)
+    window = torch.cat([history.to(x.dtype), x], dim=-1)  # [B, C, W - 1 + n]
+    conv = F.conv1d(window.to(weight.dtype), weight, bias, groups=weight.shape[0])
+    return ACT2FN[activation](conv).to(x.dtype).transpose(1, 2)
+
+
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, history: torch.Tensor | None
+) -> torch.Tensor:
+    """`torch_causal_conv`, or flash-linear-attention's `causal_conv1d` for CUDA inputs when installed.
+
+    fla keeps a conv state of `W` inputs per channel, the oldest first, of which the first is not read: the history
+    goes in its last `W - 1` columns. Its backward gives the gradient of that initial state, which exact mode needs.
+    """
+    if fla_causal_conv1d is None or not x.is_cuda or activation not in ("silu", "swish"):
+        return torch_causal_conv(x, weight, bias, activation, history)
+    initial = None
+    if history is not None:
+        initial = torch.cat([history.new_zeros(*history.shape[:2], 1), history], dim=-1).to(x.dtype)
+    out, _ = fla_causal_conv1d(
+        x=x.contiguous(), weight=weight[:, 0], bias=bias, initial_state=initial, activation=activation
+    )
+    return out
+
+
 @force_accelerate_hooks("conv1d")
 def _gated_deltanet_forward(
     self: Qwen3_5GatedDeltaNet,
@@ -195,22 +242,14 @@ def _gated_deltanet_forward(
     records = p.read(self.layer_idx)
     width = self.conv_kernel_size - 1
 
-    mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)  # [B, C, n]
+    projected = self.in_proj_qkv(hidden_states)  # [B, n, C]
     z = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
     b = self.in_proj_b(hidden_states)
     a = self.in_proj_a(hidden_states)
 
-    if records:
-        history, initial_state = records[-1]
-        history = history.to(mixed_qkv.dtype)
-    else:
-        # Stock pads the conv with zeros on the left and starts the recurrence from zeros.
-        history = mixed_qkv.new_zeros(batch, mixed_qkv.shape[1], width)
-        initial_state = None
-    window = torch.cat([history, mixed_qkv], dim=-1)  # [B, C, kernel - 1 + n]
-    weight = self.conv1d.weight  # [C, 1, kernel]
-    conv = F.conv1d(window.to(weight.dtype), weight, self.conv1d.bias, groups=weight.shape[0])
-    mixed_qkv = ACT2FN[self.activation](conv).to(window.dtype).transpose(1, 2)  # [B, n, C]
+    # Stock pads the conv with zeros on the left and starts the recurrence from zeros.
+    history, initial_state = records[-1] if records else (None, None)
+    mixed_qkv = causal_conv(projected, self.conv1d.weight, self.conv1d.bias, self.activation, history)
 
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(batch, length, -1, self.head_k_dim)
@@ -220,8 +259,11 @@ def _gated_deltanet_forward(
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
     core, state = gated_delta_rule(query, key, value, g, beta, initial_state)
 
-    # A copy, so that the record does not keep the whole chunk's conv input alive.
-    tail = window[:, :, window.shape[-1] - width :].clone()
+    # The last `kernel - 1` conv inputs (reaching into the history for a chunk shorter than that); a copy, so that the
+    # record does not keep the whole chunk's conv input alive.
+    recent = projected[:, length - min(length, width) :].transpose(1, 2)
+    past = recent.new_zeros(batch, recent.shape[1], width) if history is None else history.to(recent.dtype)
+    tail = torch.cat([past, recent], dim=-1)[:, :, -width:].clone()
     p.emit(self.layer_idx, (tail, state), supersedes=True)
 
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
