@@ -103,7 +103,8 @@ def test_bench_step_tiny_sweep(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
-    """benchmarks/gpu_check.sh end to end with tiny widths on CPU: every stage records its figures."""
+    """benchmarks/gpu_check.sh end to end with tiny widths on CPU: every stage records its figures, and the bf16
+    stage's end-to-end comparisons meet the mixed-precision criterion."""
     env = {
         **_env(),
         "OUT": str(tmp_path),
@@ -126,6 +127,9 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
     checks = [r for r in records if r["kind"] == "attention_check"]
     assert {r["path"] for r in checks} == {"kernel", "portable"} and all(r["ok"] for r in checks), checks
     assert next(r for r in records if r["kind"] == "e2e_check")["ok"]
+    bf16 = [r for r in records if r["kind"] == "bf16_check"]
+    assert [r["model"] for r in bf16] == ["llama-tiny", "qwen3_5-tiny", "llama-70b-layer-tiny"]
+    assert all(r["ok"] and r["grad_err_stock"] > 0 for r in bf16), bf16
 
     from trl_longstraw.adapters import ADAPTERS
 
