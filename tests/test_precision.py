@@ -61,6 +61,17 @@ def test_engine_runs_under_the_autocast_of_stocks_forward(tiny_model_path, preci
         assert seen["stock"][0][1] == torch.bfloat16
 
 
+def test_no_engine_autocast_under_fsdp2(tiny_model_path):
+    """Under FSDP2 accelerate wraps no forward in autocast (its `MixedPrecisionPolicy` casts the gathered parameters
+    instead), so the engine enters none either."""
+    trainer = make_trainer(tiny_model_path("llama"), bf16=True)
+    with trainer._autocast():
+        assert torch.is_autocast_enabled("cpu")
+    trainer.is_fsdp_enabled = True
+    with trainer._autocast():
+        assert not torch.is_autocast_enabled("cpu")
+
+
 def _expected_dtypes(state, layer: int) -> list[torch.dtype]:
     """bf16 everywhere, except the recurrent state of a Gated DeltaNet record `(conv_tail, state)`, which is fp32."""
     record = next(r for r in state.records[layer] if r is not None)
