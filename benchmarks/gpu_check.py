@@ -14,6 +14,10 @@ Stages, each run as its own process under a time limit:
   (`torch.cuda.max_memory_allocated`) and growth over the memory held before the step; the search stops when the
   next step is predicted to overrun the stage's time budget, or on OOM. Then peak memory at G=2 against G=8, and the
   capacity planner's prediction (`python -m trl_longstraw.plan`) where the planner exists.
+- `bf16`: mixed precision end to end: `trainer.train()` under TRL's default `bf16=True` (autocast over fp32 weights),
+  exact mode, ours against stock `GRPOTrainer`, each measured against stock fp32 on the same completions
+  (`tests/precision.py`), with the criterion of `tolerances.BF16_ERROR_FACTOR`: a tiny llama, a tiny Qwen3.5 and a
+  real-width Llama-3.1-70B layer (`BF16_SLICE`: the fused flash-attention path on CUDA).
 - `summary`: `gpu_results.md` from `gpu_results.jsonl`.
 
 Every measurement is appended to `$OUT/gpu_results.jsonl` as soon as it is taken, so a stage that is stopped
@@ -138,6 +142,11 @@ SLICES = {
         ),
     ),
 }
+
+
+# The real-width model of the bf16 stage: one layer of Llama-3.1-70B's widths (64/8 heads of dim 128: the fused
+# kernel's shapes), the test tokenizer's vocabulary. fp32 weights, as loaded from a path: 3.4 GB.
+BF16_SLICE = {k: v for k, v in SLICES["llama"]["real"].items() if k != "vocab_size"} | dict(num_hidden_layers=1)
 
 
 # ------------------------------------------------------------------------------------------------------- plumbing
@@ -628,6 +637,92 @@ def stage_kernels(args, results: Results) -> None:
     gdn_check(args.device, args.tiny, results)
 
 
+# ---------------------------------------------------------------------------------------------------- bf16 stage
+def bf16_case(device: str, label: str, path, results: Results, **overrides) -> bool:
+    """Stock fp32, stock bf16 and ours bf16 through `train()` on the model at `path` (exact mode, prompts of 3 to 14
+    tokens in chunks of 4, left-padded); records the errors and whether ours' are within the factor of stock's."""
+    import gc
+
+    import torch
+    from precision import errors, run
+    from tolerances import BF16_ERROR_FACTOR, LOSS_ATOL
+
+    common = dict(use_cpu=device == "cpu", **overrides)
+    runs = {}
+    for name, kind, bf16 in (
+        ("stock fp32", "stock", False),
+        ("stock bf16", "stock", True),
+        ("ours bf16", "ours", True),
+    ):
+        t0 = time.perf_counter()
+        completions = runs["stock fp32"]["completions"] if runs else None
+        out = run(path, kind, "exact", completions, bf16=bf16, **common)
+        del out["trainer"]  # free the models before the next run
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        out["seconds"] = time.perf_counter() - t0
+        runs[name] = out
+    ours, stock = (errors(runs[name], runs["stock fp32"]) for name in ("ours bf16", "stock bf16"))
+    f = BF16_ERROR_FACTOR
+    ok = (
+        ours["logps"] <= f * stock["logps"]
+        and ours["loss"] <= f * max(stock["loss"], LOSS_ATOL)
+        and ours["grad"] <= f * stock["grad"]
+        and all(err <= f * stock["groups"][group] for group, err in ours["groups"].items())
+    )
+    worst = max(ours["groups"], key=lambda group: ours["groups"][group] / stock["groups"][group])
+    results.add(
+        kind="bf16_check",
+        model=label,
+        what="exact mode, bf16 autocast over fp32 weights, vs stock fp32 on the same completions",
+        device=device,
+        **{
+            f"{key}_err_{who}": err[key]
+            for key in ("logps", "loss", "grad")
+            for who, err in (("ours", ours), ("stock", stock))
+        },
+        worst_group=worst,
+        worst_group_err_ours=ours["groups"][worst],
+        worst_group_err_stock=stock["groups"][worst],
+        factor=f,
+        ok=ok,
+        seconds={name: r["seconds"] for name, r in runs.items()},
+    )
+    return ok
+
+
+def stage_bf16(args, results: Results) -> None:
+    from trl_longstraw.testing import save_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="gpu_check_bf16_"))
+    cases = [("llama-tiny", "llama", {}), ("qwen3_5-tiny", "qwen3_5", {})]
+    if args.tiny:  # the same code path on CPU, the slice's widths made tiny
+        cases.append(
+            (
+                "llama-70b-layer-tiny",
+                "llama",
+                dict(
+                    BF16_SLICE,
+                    hidden_size=64,
+                    intermediate_size=128,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=16,
+                ),
+            )
+        )
+    else:
+        cases.append(("llama-70b-layer", "llama", BF16_SLICE))
+    for label, family, widths in cases:
+        try:
+            path = save_tiny_model(root / label, family, **widths)
+            # The slice without a reference model (beta=0): one copy of its weights per trainer.
+            bf16_case(args.device, label, path, results, **({"beta": 0.0} if "70b" in label else {}))
+        except Exception as e:
+            results.add(kind="bf16_check", model=label, ok=False, error=f"{type(e).__name__}: {e}"[:500])
+
+
 # --------------------------------------------------------------------------------------------------- model stage
 def adapter_key(family: str) -> str | None:
     """The ADAPTERS key serving `family`'s causal LM, or None when this checkout has no adapter for it."""
@@ -1023,6 +1118,21 @@ def summary_general(records: list[dict]) -> list[str]:
             f"cases, `-` where a case failed: {times}); library default {r['default']}",
         ]
     md += summary_kernels(records)
+    bf16 = [r for r in records if r["kind"] == "bf16_check"]
+    if bf16:
+        md += ["", "## bf16 end to end through train(): errors against stock fp32 (ours / stock)", ""]
+        md += ["| model | log-probs | loss | gradient | worst group | ok | error |", "|---|---|---|---|---|---|---|"]
+        for r in bf16:
+            cells = [
+                f"{fmt(r.get(f'{key}_err_ours'), '.2e')} / {fmt(r.get(f'{key}_err_stock'), '.2e')}"
+                for key in ("logps", "loss", "grad")
+            ]
+            group = (
+                f"{r['worst_group']}: {r['worst_group_err_ours']:.2e} / {r['worst_group_err_stock']:.2e}"
+                if "worst_group" in r
+                else "-"
+            )
+            md.append(f"| {r['model']} | {' | '.join(cells)} | {group} | {r['ok']} | {r.get('error') or ''} |")
     for r in (r for r in records if r["kind"] in ("e2e_check", "error")):
         md += ["", "## Tiny model on the device: exact mode vs stock GRPOTrainer" if r["kind"] == "e2e_check" else ""]
         md += [f"- {k}: {v}" for k, v in r.items() if k not in ("time",)]
@@ -1211,7 +1321,7 @@ def fmt(x, spec: str) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["env", "kernels", "model", "summary"], required=True)
+    parser.add_argument("--stage", choices=["env", "kernels", "bf16", "model", "summary"], required=True)
     parser.add_argument("--model", choices=sorted(SLICES), default="llama")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny widths and short prompts (CPU test of this script)")
@@ -1244,7 +1354,9 @@ def main(argv=None):
     # The watchdog leaves a few seconds for the shell's `timeout` to be the last resort only.
     watchdog(args.budget_s + 10, results, f"{args.stage} {args.model if args.stage == 'model' else ''}".strip())
     try:
-        {"env": stage_env, "kernels": stage_kernels, "model": stage_model}[args.stage](args, results)
+        {"env": stage_env, "kernels": stage_kernels, "bf16": stage_bf16, "model": stage_model}[args.stage](
+            args, results
+        )
     except Exception as e:
         import traceback
 

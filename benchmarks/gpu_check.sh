@@ -63,6 +63,7 @@ stage() {
 
 stage env 75 --stage env
 stage kernels 60 --stage kernels
+stage bf16 100 --stage bf16
 # The hybrid and MLA models first; the llama-family slice then takes whatever time is left.
 stage qwen3_5 120 --stage model --model qwen3_5
 stage glm_moe_dsa 120 --stage model --model glm_moe_dsa

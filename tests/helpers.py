@@ -56,15 +56,20 @@ def detached_reference(path, **overrides):
     """
     from trl import GRPOTrainer
 
-    reference = make_trainer(path, GRPOTrainer, **{**overrides, "gradient_checkpointing": False})
-    causal_lm = reference.model
+    return score_detached(make_trainer(path, GRPOTrainer, **{**overrides, "gradient_checkpointing": False}))
+
+
+def score_detached(trainer):
+    """Makes a stock `GRPOTrainer` (built without gradient checkpointing) score every log-prob, old-policy and
+    reference ones included, with `reference.detached_prompt_logps` on its policy model."""
+    causal_lm = trainer.model
 
     def plain(model, input_ids, attention_mask, logits_to_keep, compute_entropy=False, **kwargs):
-        lp, ent = detached_prompt_logps(causal_lm, input_ids, attention_mask, logits_to_keep, reference.temperature)
+        lp, ent = detached_prompt_logps(causal_lm, input_ids, attention_mask, logits_to_keep, trainer.temperature)
         return lp, ent if compute_entropy else None, None
 
-    reference._get_per_token_logps_and_entropies = plain
-    return reference
+    trainer._get_per_token_logps_and_entropies = plain
+    return trainer
 
 
 def run_steps(trainer, micro_batches) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -86,3 +91,13 @@ def assert_grads_close(ours: dict, ref: dict, rtol: float = GRAD_RTOL) -> float:
         worst = max(worst, err)
         assert err <= rtol, f"{name}: relative gradient error {err:.3e} > {rtol:.1e}"
     return worst
+
+
+def rebind_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+    """For the detached reference on Qwen3.5 (patch `transformers.cache_utils.LinearAttentionLayer` with it): stock
+    `LinearAttentionLayer.update_recurrent_state`, storing the new state instead of copying it into the old
+    one: the in-place copy overwrites a tensor that the branch's own graph saved, so backward fails."""
+    if not self.is_recurrent_states_initialized[state_idx]:
+        self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+    self.recurrent_states[state_idx] = recurrent_states
+    return recurrent_states

@@ -123,7 +123,8 @@ def test_bench_step_tiny_sweep(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
-    """benchmarks/gpu_check.sh end to end with tiny widths on CPU: every stage records its figures."""
+    """benchmarks/gpu_check.sh end to end with tiny widths on CPU: every stage records its figures, and the bf16
+    stage's end-to-end comparisons meet the mixed-precision criterion."""
     env = {
         **_env(),
         "OUT": str(tmp_path),
@@ -156,6 +157,9 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
         ("gdn_check", "causal conv", True),
         ("gdn_check", "delta rule", True),
     ], kernels
+    bf16 = [r for r in records if r["kind"] == "bf16_check"]
+    assert [r["model"] for r in bf16] == ["llama-tiny", "qwen3_5-tiny", "llama-70b-layer-tiny"]
+    assert all(r["ok"] and r["grad_err_stock"] > 0 for r in bf16), bf16
 
     from trl_longstraw.adapters import ADAPTERS
 

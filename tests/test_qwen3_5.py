@@ -22,7 +22,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 )
 from trl.trainer.utils import add_fused_lm_head
 
-from tests.helpers import assert_grads_close, detached_reference, make_trainer, run_steps
+from tests.helpers import assert_grads_close, detached_reference, make_trainer, rebind_recurrent_state, run_steps
 from tests.tolerances import DELTA_RULE_ATOL, GRAD_RTOL, LOGP_ATOL, LOSS_ATOL
 from trl_longstraw.adapters import get_adapter
 from trl_longstraw.engine import Engine, Pass, PromptGroup, PromptState, use_pass
@@ -366,22 +366,13 @@ def test_exact_matches_stock_long_prompts(path):
     assert_grads_close(grads, ref_grads)
 
 
-def _rebind_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
-    """Stock `LinearAttentionLayer.update_recurrent_state`, storing the new state instead of copying it into the old
-    one: the in-place copy overwrites a tensor that the branch's own graph saved, so backward fails."""
-    if not self.is_recurrent_states_initialized[state_idx]:
-        self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
-    self.recurrent_states[state_idx] = recurrent_states
-    return recurrent_states
-
-
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
 def test_detached_matches_plain_reference(path, monkeypatch, checkpointing):
     """Detached mode equals stock's loss on log-probs from the stock model and cache: the prompt runs without
     autograd, each completion on a fresh deep copy of the cache. Every parameter gradient is compared."""
     from trl import GRPOTrainer
 
-    monkeypatch.setattr(LinearAttentionLayer, "update_recurrent_state", _rebind_recurrent_state)
+    monkeypatch.setattr(LinearAttentionLayer, "update_recurrent_state", rebind_recurrent_state)
     config = dict(loss_type="bnpo", beta=0.1)
     reference = detached_reference(path, **config)
     ours = make_trainer(

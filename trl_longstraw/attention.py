@@ -15,9 +15,19 @@ CPU flash kernel; on CUDA for fp16/bf16 with equal key and value widths up to 25
 backward fed with the *merged* output and log-sum-exp, which gives exactly the part's share of the gradients.
 Elsewhere (fp64, other devices, value width != key width, or `USE_KERNELS = False`) the portable path scores blocks of
 `KEY_BLOCK` keys with einsum in fp32.
+
+Mixed precision. Under autocast (accelerate's `bf16=True`/`fp16=True` over fp32 weights), transformers' attention
+receives post-RoPE queries and keys in fp32 (fp32 residual stream times fp32 cos/sin) and values in the autocast
+dtype, and autocast casts all three to its dtype at the SDPA call (SDPA is on its lower-precision list). Callers
+reproduce that cast with `autocast_inputs` before attending, so the records hold the autocast dtype as stock's
+attention sees it. The autograd Functions below then run with autocast off (`autocast_off`): autocast would lower
+their fp32 einsums to the autocast dtype, in the forward and, since the autograd engine runs a backward under the
+autocast state of the thread that calls `backward`, in the backward too.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -29,6 +39,35 @@ USE_KERNELS = True
 # needs; benchmarks/gpu_check.py measures both against the reference on the GPU and reports the fastest exact one.
 CUDA_BACKENDS = ("flash", "cudnn")
 CUDA_BACKEND = "flash"
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The lower-precision dtype of the autocast active for `device`'s type, or None when autocast is off there."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` as autocast hands them to an op of its lower-precision list (SDPA, matmul): floating tensors other
+    than fp64 cast to the autocast dtype when autocast is on for their device, the others unchanged."""
+    dtype = autocast_dtype(tensors[0].device)
+    if dtype is None:
+        return tensors
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+
+
+def autocast_off(method):
+    """Decorates the `forward` or `backward` of an autograd Function to run with autocast off for the device of its
+    first tensor argument (see the module docstring)."""
+
+    @functools.wraps(method)
+    def run(ctx, *args):
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None or not torch.is_autocast_enabled(device):
+            return method(ctx, *args)
+        with torch.autocast(device, enabled=False):
+            return method(ctx, *args)
+
+    return run
 
 
 def _blocks(keys: torch.Tensor, values: torch.Tensor):
@@ -94,6 +133,7 @@ def block_grads(qf, keys, values, dout, delta, lse, scale: float, causal: bool, 
 
 class _PrefixMergeAttention(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, scale: float, shards, q, k, v, *prefix):
         b, hq, t, d = q.shape
         hkv = k.shape[1]
@@ -121,6 +161,7 @@ class _PrefixMergeAttention(torch.autograd.Function):
         return out.view(b, hq, t, -1).to(q.dtype)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_out):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
         scale = ctx.scale
@@ -224,6 +265,7 @@ class _KernelPrefixMergeAttention(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, kind: str, scale: float, shards, q, k, v, *prefix):
         b, hq, t, d = q.shape
         hkv = k.shape[1]
@@ -260,6 +302,7 @@ class _KernelPrefixMergeAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_out):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
         kind, scale = ctx.kind, ctx.scale

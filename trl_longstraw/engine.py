@@ -13,6 +13,11 @@ which records they may read and where new records go:
 
 Positions follow stock `GRPOTrainer`: a row padded on the left by `pad` tokens places its first real prompt token at
 position `pad`, exactly as the padded full-sequence forward does.
+
+Precision follows stock too: every forward of the engine (prefill, scoring, replays, the reverse pass's recompute,
+and the shared-prompt decoder of `generation`) runs under one autocast, the one accelerate wraps around stock's
+forward (`Engine.autocast`), so the records hold the autocast dtype and the state a generation-time prefill computes
+is the one the loss pass computes. Backward calls run outside it, as stock's `accelerator.backward` does.
 """
 
 from __future__ import annotations
@@ -255,10 +260,23 @@ class Engine:
         chunk_size: prompt tokens per prefill (and reverse) chunk.
         progress: show a progress bar over prefill chunks for prompts of several chunks.
         shards: a `sharding.PromptShards` to shard the prompt state across its ranks, which then run in lockstep.
+        autocast: a factory of the context manager every forward runs in: the autocast of stock's forward under
+            mixed precision (entered per forward, so its weight-cast cache lives as long as stock's does), else
+            `contextlib.nullcontext`.
     """
 
-    def __init__(self, model, causal_lm, adapter, chunk_size: int, progress: bool = False, shards=None):
+    def __init__(
+        self,
+        model,
+        causal_lm,
+        adapter,
+        chunk_size: int,
+        progress: bool = False,
+        shards=None,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
         self.model = model
+        self.autocast = autocast
         self.causal_lm = causal_lm
         self.adapter = adapter
         self.chunk_size = chunk_size
@@ -311,7 +329,7 @@ class Engine:
             for start, end in chunks:
                 if self.shards is not None:
                     self.shards.replicated(end - start)
-                with use_pass(Pass(state, visible=state.num_chunks, append=True, shard=self.shards)):
+                with use_pass(Pass(state, visible=state.num_chunks, append=True, shard=self.shards)), self.autocast():
                     self._backbone()(
                         input_ids=prefix[None, start:end],
                         position_ids=self._positions(group.pad + start, end - start, prefix.device),
@@ -355,11 +373,12 @@ class Engine:
                     if self.shards is not None:
                         self.shards.replicated(end - start)
                     with use_pass(p), torch.enable_grad():
-                        hidden = self._backbone()(
-                            input_ids=prefix[None, start:end],
-                            position_ids=self._positions(group.pad + start, end - start, prefix.device),
-                            use_cache=False,
-                        ).last_hidden_state
+                        with self.autocast():
+                            hidden = self._backbone()(
+                                input_ids=prefix[None, start:end],
+                                position_ids=self._positions(group.pad + start, end - start, prefix.device),
+                                use_cache=False,
+                            ).last_hidden_state
                         captured, p.sink = p.sink, None
                         outputs, grads = [], []
                         if self.fsdp_per_pass:
@@ -395,7 +414,10 @@ class Engine:
     def _forward_branch(self, ids, positions, labels):
         """Log-probs and entropies `[R, N]` of branches `ids` `[R, N]` against the active pass's prompt state
         (entropies `None` if the fused head has none)."""
-        out = branch_model(self.model)(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
+        with self.autocast():
+            out = branch_model(self.model)(
+                input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True
+            )
         return out.log_probs, out.entropy
 
     def _batched_branches(self, group: PromptGroup, completion_ids: torch.Tensor, rows: list[int], lengths: list[int]):

@@ -103,11 +103,12 @@ def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor) -> Callable:
         position = prompt.shape[0] - 1
         with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail)):
             while True:
-                outputs = engine.causal_lm(
-                    input_ids=step_ids[:, None],
-                    position_ids=torch.full((rows, 1), position, device=input_ids.device),
-                    use_cache=False,
-                )
+                with engine.autocast():  # the prefill's and the loss pass's precision (see `engine`)
+                    outputs = engine.causal_lm(
+                        input_ids=step_ids[:, None],
+                        position_ids=torch.full((rows, 1), position, device=input_ids.device),
+                        use_cache=False,
+                    )
                 next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
                 del outputs
                 next_token_scores = logits_processor(input_ids, next_token_logits)

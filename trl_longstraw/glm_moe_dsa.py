@@ -1,7 +1,8 @@
 """Adapter for GLM-5 / GLM-5.2 (transformers `glm_moe_dsa`): multi-head latent attention (MLA) with DeepSeek sparse
 attention (DSA), and a mixture of experts.
 
-Record of an attention layer for a prefill chunk of `n` tokens, in the model's dtype:
+Record of an attention layer for a prefill chunk of `n` tokens, in the compute dtype (the autocast dtype under mixed
+precision, where stock rounds both to it before any use; else the model's):
 
 - `kv` `[n, kv_lora_rank + qk_rope_head_dim]`: per token the compressed KV latent after `kv_a_layernorm`, then the
   shared rope key after RoPE (one row per token, the layout of FlashMLA's cache);
@@ -31,6 +32,10 @@ Stock semantics kept on purpose:
   select), so no chunked computation can reproduce it; both select the same keys whenever the `k`-th and `k+1`-th
   scores differ. Near-ties (within float noise) can flip between any two summation orders, which is why the tests
   spread the indexer weights as a trained model's are.
+- **Mixed precision.** Under autocast the indexer's matmuls run in the autocast dtype, as stock's do (autocast lowers
+  them despite their `.float()` inputs), so ties at the top-k cut-off are likelier than in fp32; they go to the
+  earlier key, as above. The absorbed queries are cast as autocast casts stock's attention query, and
+  the sparse attention accumulates in fp32 with autocast off (`attention.autocast_off`).
 - **MoE routing** is token-wise (sigmoid router, group-limited top-k) and untouched: a token is routed the same way
   in a prefill chunk, a branch, and the padded full sequence.
 
@@ -52,6 +57,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttention, apply_rotary_pos_emb_interleave
 
+from .attention import autocast_inputs, autocast_off
 from .engine import active_pass
 from .sharding import PromptShards, gather_tokens, merge_replicated, return_tokens
 
@@ -365,6 +371,7 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, scale: float, rank: int, sel, q, *parts):
         sizes = [x.shape[0] for x in parts]
         acc = _acc(q)
@@ -386,6 +393,7 @@ class _SparseLatentAttention(torch.autograd.Function):
         return out.to(q.dtype), lse
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_out, grad_lse):
         sel, q, out, lse, *parts = ctx.saved_tensors
         scale, rank = ctx.scale, ctx.rank
@@ -594,7 +602,10 @@ def longstraw_attention_forward(
     )
     cos, sin = position_embeddings
     q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(1, 1, s, -1), cos, sin)
-    kv = torch.cat([self.kv_a_layernorm(kv_pass)[0], k_rot[0, 0]], dim=-1)  # [S, R + Dr]
+    # [S, R + Dr]. Under autocast the normed latent and the rope key come out in fp32, and stock rounds both to the
+    # autocast dtype before any use (autocast casts kv_b_proj's input; the rope key is copied into the key buffer of
+    # kv_b_proj's output dtype), so the record holds that dtype and loses nothing stock keeps.
+    (kv,) = autocast_inputs(torch.cat([self.kv_a_layernorm(kv_pass)[0], k_rot[0, 0]], dim=-1))
 
     records = p.read(self.layer_idx)
     # Key numbers of the prefix chunks; with a sharded state, `records` holds None for chunks of other ranks.
@@ -602,6 +613,8 @@ def longstraw_attention_forward(
     if self.indexer is not None:
         with torch.no_grad():
             index_q, index_weights, index_key = _indexer(self.indexer, hidden_states, q_resid, cos, sin)
+            # Stock's only use of the key is a matmul, which autocast casts to its dtype: store it so.
+            (index_key,) = autocast_inputs(index_key)
             index_args = (self.indexer.index_topk, self.indexer.softmax_scale)
             if p.shard is None:
                 index_keys = [record[1] for record in records] + [index_key]
@@ -618,7 +631,8 @@ def longstraw_attention_forward(
 
     w_kv = _dense_weight(self.kv_b_proj, like=q_pass).view(heads, nope + self.v_head_dim, self.kv_lora_rank)
     q_lat = torch.einsum("hsd,hdr->shr", q_pass[0], w_kv[:, :nope])
-    q_abs = torch.cat([q_lat, q_rot[0].transpose(0, 1)], dim=-1)  # [S, H, R + Dr]
+    # [S, H, R + Dr], cast as autocast casts stock's attention query.
+    (q_abs,) = autocast_inputs(torch.cat([q_lat, q_rot[0].transpose(0, 1)], dim=-1))
     if p.shard is None:
         kv_parts = [record[0] for record in records] + [kv]
         o_lat = sparse_latent_attention(q_abs, kv_parts, sel, self.scaling, self.kv_lora_rank)

@@ -22,6 +22,10 @@ initial conv tail and state, which are leaves in exact mode.
 Positions: the engine passes `[1, n]` position ids; `Qwen3_5TextModel` broadcasts 2D ids to its 3 mRoPE streams and
 the text stream exactly as it does for its own default `arange`, so text positions and rotary angles equal stock's.
 
+Mixed precision: under autocast the conv tail comes out in the autocast dtype (the in-projection's) and the recurrent
+state stays fp32, as in stock's cache; `torch_gated_delta_rule` runs the operations of stock's torch fallback, whose
+matmuls autocast lowers to its dtype in both.
+
 Cost: stock's torch fallback of the chunked delta rule writes each chunk's output in place into one buffer and slices
 its inputs chunk by chunk; autograd turns both into full-size buffers per chunk, so its backward grows quadratically
 with the length of the forward. `torch_gated_delta_rule` below is the same algorithm with `unbind`/`stack`, whose
@@ -75,7 +79,8 @@ def torch_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     block: int = DELTA_RULE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule, chunked along the sequence as in stock `torch_chunk_gated_delta_rule`, in fp32.
+    """The gated delta rule, chunked along the sequence as in stock `torch_chunk_gated_delta_rule`, in fp32 (under
+    autocast its matmuls run in the autocast dtype, as stock's do).
 
     Same mathematics and operation order as stock (q/k L2-normalised in the kernel), but the scan over blocks reads
     its inputs through `unbind` and collects outputs with `stack`, so that its backward is linear in the length.

@@ -38,7 +38,16 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from .attention import _acc, _prefix_parts, _scores, _self_parts, block_grads, prefix_merge_attention
+from .attention import (
+    _acc,
+    _prefix_parts,
+    _scores,
+    _self_parts,
+    autocast_inputs,
+    autocast_off,
+    block_grads,
+    prefix_merge_attention,
+)
 
 
 class PromptShards:
@@ -322,6 +331,7 @@ def _pad_t(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
 
 class _ShardedPrefixAttention(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, scale: float, shards: PromptShards, q, k, v, *prefix):
         world, group, lengths = shards.world, shards.group, list(shards.lengths)
         _, hq, t, d = q.shape
@@ -349,6 +359,7 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         return out.view(1, hq, t, dv).to(q.dtype)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_out):
         q, k, v, qall, out, lse, *prefix = ctx.saved_tensors
         shards, scale, lengths = ctx.shards, ctx.scale, ctx.lengths
@@ -422,8 +433,10 @@ def sharded_prefix_attention(
 def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
     """The prompt attention of a KV layer for the active pass `p`: attends, then emits `(key, value)` as the record.
 
-    Sharded when the pass is (`p.shard`), so adapters whose attention fits `(q, k, v)` need nothing else.
+    Sharded when the pass is (`p.shard`), so adapters whose attention fits `(q, k, v)` need nothing else. Under
+    autocast the inputs are first cast as autocast casts stock's SDPA inputs, so the records hold the autocast dtype.
     """
+    query, key, value = autocast_inputs(query, key, value)
     records = p.read(layer_idx)
     if p.shard is None:
         out = prefix_merge_attention(query, key, value, records, scale)

@@ -9,6 +9,7 @@ gradient as its weight; in exact mode the gradient left on the prompt state is f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -184,6 +185,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         guards.check_memory(budget, free)
 
     # ---------------------------------------------------------------------------------------------------- engine
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The autocast of stock's forward, for every forward of the engines.
+
+        `Accelerator.prepare` wraps the model's `forward` (and the reference model's) in `accelerator.autocast()`
+        when mixed precision is native (`bf16=True`; `fp16=True` on GPU), which `train()` does; here it applies from
+        the first engine call, `training_step` called directly included. Under FSDP2 accelerate wraps nothing: its
+        `MixedPrecisionPolicy` casts the gathered parameters instead, which the engine's passes see as they are.
+        """
+        if self.is_fsdp_enabled:
+            return contextlib.nullcontext()
+        return self.accelerator.autocast()
+
     def _engine(self, model) -> Engine:
         causal_lm = _causal_lm(model)
         engine = self._engines.get(id(causal_lm))
@@ -195,6 +208,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 chunk_size=self.args.prefill_chunk_size,
                 progress=self.args.prefill_progress and self.accelerator.is_main_process,
                 shards=self._prompt_shards,
+                autocast=self._autocast,
             )
             self._engines[id(causal_lm)] = engine
         engine.model = model
