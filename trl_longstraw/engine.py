@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .distributed import branch_model, finish_ddp, fsdp2_gathered, fsdp2_root
+from .rope import RotaryPin
 
 
 @dataclass
@@ -269,6 +270,9 @@ class Engine:
         lockstep = shards is not None and shards.world == dist.get_world_size()
         self.fsdp_per_pass = lockstep and fsdp2_root(model) is not None
         self.stats = StepStats()
+        # Per-call RoPE (dynamic, longrope): each call of `score` and `backward` rotates with the frequencies of
+        # stock's one forward over its P + C positions.
+        self.rope = RotaryPin(causal_lm)
         # The state of the last prompt prefilled, reused when the next request is for the same prompt
         # (scoring pass, then backward pass of the same micro-batch).
         self._kept: tuple[tuple[int, bytes], PromptState] | None = None
@@ -468,7 +472,8 @@ class Engine:
         against its state, a single longer branch alone (old-policy and reference log-probs); with 0 each branch
         runs alone, exactly as `backward` replays it, so the loss pass sees the same values in both.
         """
-        with fsdp2_gathered(self.model, per_pass=self.fsdp_per_pass):
+        length = prompt_ids.shape[1] + completion_ids.shape[1]
+        with fsdp2_gathered(self.model, per_pass=self.fsdp_per_pass), self.rope.pinned(length):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
             return self._score(*prompt, *completion, keep_last, batch_tokens, boundaries)
 
@@ -531,7 +536,8 @@ class Engine:
         Under data parallelism the gradient is reduced once, at the end, unless the wrapper is in `no_sync`.
         """
         sync_pass = functools.partial(self._sync_pass, prompt_ids.device)
-        with fsdp2_gathered(self.model, sync_pass=sync_pass, per_pass=self.fsdp_per_pass):
+        length = prompt_ids.shape[1] + completion_ids.shape[1]
+        with fsdp2_gathered(self.model, sync_pass=sync_pass, per_pass=self.fsdp_per_pass), self.rope.pinned(length):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
             self._backward(*prompt, *completion, grad_logps, grad_entropies, exact, backward_fn)
         finish_ddp(self.model)
