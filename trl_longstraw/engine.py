@@ -469,8 +469,9 @@ class Engine:
         model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`;
         pass `boundaries=True` when that backward is exact, so that the state can be reused.
         With `batch_tokens > 0`, the branches of one prompt run in batches of at most that many (padded) tokens
-        against its state, a single longer branch alone (old-policy and reference log-probs); with 0 each branch
-        runs alone, exactly as `backward` replays it, so the loss pass sees the same values in both.
+        against its state, a single longer branch alone (old-policy and reference log-probs), if the adapter
+        declares `batches_branches`; with 0, or for other adapters, each branch runs alone, exactly as `backward`
+        replays it, so the loss pass sees the same values in both.
         """
         length = prompt_ids.shape[1] + completion_ids.shape[1]
         with fsdp2_gathered(self.model, per_pass=self.fsdp_per_pass), self.rope.pinned(length):
@@ -488,7 +489,7 @@ class Engine:
             t0 = time.perf_counter()
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), torch.no_grad(), use_pass(p):
-                if batch_tokens > 0 and self.shards is None:
+                if batch_tokens > 0 and self.shards is None and getattr(self.adapter, "batches_branches", False):
                     rows = list(rows)
                     batches = [
                         (batch, self._batched_branches(group, completion_ids, batch, lengths))
