@@ -146,3 +146,16 @@ def test_pin_holds_the_outer_frequencies_and_ignores_static_types(tmp_path):
     assert not torch.equal(at_40, before[0]["inv_freq"])
     pin.restore(before)
     assert torch.equal(module.inv_freq, before[0]["inv_freq"])
+
+
+def test_per_layer_type_rope_with_a_per_call_type_is_refused():
+    """Per-layer-type RoPE (a dict of types, as Gemma 3's) is not pinned; none of the supported models has it."""
+    from trl_longstraw.rope import rotary_modules
+
+    rotary = torch.nn.Module()
+    rotary.rope_type = {"full_attention": "dynamic", "sliding_attention": "default"}
+    model = torch.nn.ModuleDict({"rotary_emb": rotary})
+    with pytest.raises(ValueError, match=r"rotary_emb uses per-layer-type RoPE with \['dynamic'\].*static rope_type"):
+        rotary_modules(model)
+    rotary.rope_type = {"full_attention": "yarn", "sliding_attention": "default"}
+    assert rotary_modules(model) == []

@@ -34,6 +34,7 @@ from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
 from .engine import Engine, group_prompts
 from .generation import check_generation_config, generate_shared
+from .rope import rotary_modules
 from .sharding import PromptShards, shard_group_size
 
 logger = logging.get_logger(__name__)
@@ -125,6 +126,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         adapter = get_adapter(_causal_lm(self.model))
         guards.check_dropout(self.model, self.ref_model)
+        rotary_modules(_causal_lm(self.model))  # refuses per-call RoPE that the engine cannot pin
         if self.args.shard_prompt_state and not getattr(adapter, "shards_prompt_state", False):
             raise ValueError(
                 f"shard_prompt_state is not supported by the {_causal_lm(self.model).config.model_type!r} adapter "
