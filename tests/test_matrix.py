@@ -6,10 +6,10 @@ the optimizer, and compares every step's logged loss and gradient norm (and the 
 
 Three things differ between the two runs by design, and the comparison takes each out without weakening it:
 
-- Sampling. Stock draws all rows of a generation batch in one `generate` call, the shared-prompt decoder draws prompt
-  by prompt, so the same seed gives other samples. Stock's run records its completions; LongStraw's run still
-  generates (its decoder runs, and greedy cases must reproduce stock's completions exactly), then trains on the
-  recorded ones. After each generation both runs reseed the random stream, which the samplers left in different
+- Sampling. Stock draws all rows of a generation batch in one `generate` call, the shared-prompt decoder (llama's
+  adapter) draws prompt by prompt, so the same seed gives other samples. Stock's run records its completions;
+  LongStraw's run still generates (greedy fp32 cases must reproduce stock's completions exactly), then trains on
+  the recorded ones. After each generation both runs reseed the random stream, which the samplers left in different
   states, so that what follows draws the same numbers.
 - Micro-batch composition. LongStraw shuffles whole groups (`group_shuffle`, so a micro-batch shares prefills),
   stock shuffles rows. Losses normalised per micro-batch (grpo, bnpo, sapo, ...) depend on which rows share one, so
@@ -18,6 +18,10 @@ Three things differ between the two runs by design, and the comparison takes eac
 - Precision. Weights in bf16 round differently in the two engines, so bf16 cases follow the issue's low-precision
   criterion: LongStraw's distance to a third run, stock in fp32 on the same completions, is at most twice stock
   bf16's own distance to it (per step and quantity, summed over the run).
+
+The runs use plain SGD (Adam turns elements whose gradient is at rounding level into moves of +-lr in either run,
+so later steps would compare different weights), and GLM's tiny models get GLM-5's 32 indexer heads (see
+`save_model`). A precision column is one entry of `PRECISIONS` (bf16 autocast: `{"bf16": True}`).
 
 `python tests/test_matrix.py` rewrites the table in README.md's Guarantees from `CASES`; a test checks that it is
 current.
@@ -38,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_pair import base_config, length_reward, position_reward  # noqa: E402
-from tolerances import GRAD_RTOL, LOSS_ATOL  # noqa: E402
+from tolerances import GRAD_RTOL, LOSS_ATOL, LOW_PRECISION_FACTOR, METRIC_ATOL, METRIC_RTOL  # noqa: E402
 
 from trl_longstraw.testing import build_tokenizer  # noqa: E402
 
@@ -280,13 +284,13 @@ def test_train_matches_stock(tmp_path, monkeypatch, case):
             assert abs(mine["grad_norm"] - ref["grad_norm"]) <= GRAD_RTOL * ref["grad_norm"], f"step {step}"
             for key, value in ref.items():
                 if not UNCOMPARED.search(key) and isinstance(value, float) and math.isfinite(value):
-                    assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-5), f"step {step}: {key}"
+                    assert mine[key] == pytest.approx(value, rel=METRIC_RTOL, abs=METRIC_ATOL), f"step {step}: {key}"
     else:
         fp32 = build(case, path, "fp32", ours=False)
         fp32.model.load_state_dict(initial)
         train(fp32, monkeypatch, case, feed=completions)
         reference = logged(fp32)
-        assert distance(steps, reference) <= 2 * distance(ref_steps, reference)
+        assert distance(steps, reference) <= LOW_PRECISION_FACTOR * distance(ref_steps, reference)
 
 
 # ------------------------------------------------------------------------------------------------ README table
