@@ -1,5 +1,5 @@
 # Each target sets up its own virtual environment with the pinned install, so a fresh machine needs only python3.
-# GPU users: make TORCH="torch==2.13.0 --index-url <PyTorch CUDA wheel index>" ...  (see README, "Install")
+# GPU users: make TORCH="torch==2.13.* --index-url https://download.pytorch.org/whl/cuXYZ" ...  (see README, "Install")
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python

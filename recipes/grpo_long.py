@@ -21,7 +21,8 @@ override the YAML. The script's own fields (`trl_longstraw.recipe.LongStrawScrip
   dotted import path `my_module.my_reward`. Weigh them with `--reward_weights`.
 - `--model_name_or_path longstraw/tiny-<family>` (`longstraw/tiny-llama`, `longstraw/tiny-qwen3`, ...) builds a tiny
   random model of that transformers family, offline, into `<output_dir>/tiny-model`.
-- PEFT through `ModelConfig`: `--use_peft --lora_r 16 --lora_target_modules q_proj v_proj ...`.
+- PEFT through `ModelConfig`: `--use_peft --lora_r 16 --lora_target_modules q_proj v_proj ...`. `--lora_dropout`
+  defaults to 0 here (TRL's `ModelConfig` says 0.05): LongStrawGRPOTrainer refuses active dropout.
 
 The policy is always loaded as a text causal LM (`AutoModelForCausalLM`) with its tokenizer: from a checkpoint that
 also ships a vision tower (Qwen3.5/3.6), only the language model is loaded, trained and saved, as

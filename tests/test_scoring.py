@@ -42,9 +42,12 @@ def assert_scores_close(ref, ours, mask):
         torch.testing.assert_close(b, a, atol=LOGP_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_policy_and_separate_reference_model_match_stock(tiny_model_path, family):
-    stock, ours = make_pair(tiny_model_path(family))
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5", "glm_moe_dsa"])
+@pytest.mark.parametrize("chunk", [2, 16])
+def test_policy_and_separate_reference_model_match_stock(tiny_model_path, family, chunk):
+    # Chunks of 16 tokens: the prompts fit one chunk, and the short branches of a prompt are scored in batches of
+    # up to 16 padded tokens where the adapter batches branches.
+    stock, ours = make_pair(tiny_model_path(family), longstraw={"prefill_chunk_size": chunk})
     assert ours.ref_model is not None
     mb = scoring_batch(ours.model.config.vocab_size)
     for attr in ("model", "ref_model"):

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .distributed import branch_model, finish_ddp, fsdp2_gathered, fsdp2_root
+from .rope import RotaryPin
 
 
 @dataclass
@@ -287,6 +288,9 @@ class Engine:
         lockstep = shards is not None and shards.world == dist.get_world_size()
         self.fsdp_per_pass = lockstep and fsdp2_root(model) is not None
         self.stats = StepStats()
+        # Per-call RoPE (dynamic, longrope): each call of `score` and `backward` rotates with the frequencies of
+        # stock's one forward over its P + C positions.
+        self.rope = RotaryPin(causal_lm)
         # The state of the last prompt prefilled, reused when the next request is for the same prompt
         # (scoring pass, then backward pass of the same micro-batch).
         self._kept: tuple[tuple[int, bytes], PromptState] | None = None
@@ -487,10 +491,12 @@ class Engine:
         model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`;
         pass `boundaries=True` when that backward is exact, so that the state can be reused.
         With `batch_tokens > 0`, the branches of one prompt run in batches of at most that many (padded) tokens
-        against its state, a single longer branch alone (old-policy and reference log-probs); with 0 each branch
-        runs alone, exactly as `backward` replays it, so the loss pass sees the same values in both.
+        against its state, a single longer branch alone (old-policy and reference log-probs), if the adapter
+        declares `batches_branches`; with 0, or for other adapters, each branch runs alone, exactly as `backward`
+        replays it, so the loss pass sees the same values in both.
         """
-        with fsdp2_gathered(self.model, per_pass=self.fsdp_per_pass):
+        length = prompt_ids.shape[1] + completion_ids.shape[1]
+        with fsdp2_gathered(self.model, per_pass=self.fsdp_per_pass), self.rope.pinned(length):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
             return self._score(*prompt, *completion, keep_last, batch_tokens, boundaries)
 
@@ -505,7 +511,7 @@ class Engine:
             t0 = time.perf_counter()
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), torch.no_grad(), use_pass(p):
-                if batch_tokens > 0 and self.shards is None:
+                if batch_tokens > 0 and self.shards is None and getattr(self.adapter, "batches_branches", False):
                     rows = list(rows)
                     batches = [
                         (batch, self._batched_branches(group, completion_ids, batch, lengths))
@@ -553,7 +559,8 @@ class Engine:
         Under data parallelism the gradient is reduced once, at the end, unless the wrapper is in `no_sync`.
         """
         sync_pass = functools.partial(self._sync_pass, prompt_ids.device)
-        with fsdp2_gathered(self.model, sync_pass=sync_pass, per_pass=self.fsdp_per_pass):
+        length = prompt_ids.shape[1] + completion_ids.shape[1]
+        with fsdp2_gathered(self.model, sync_pass=sync_pass, per_pass=self.fsdp_per_pass), self.rope.pinned(length):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
             self._backward(*prompt, *completion, grad_logps, grad_entropies, exact, backward_fn)
         finish_ddp(self.model)

@@ -66,13 +66,17 @@ def check_generation_config(config: GenerationConfig) -> None:
         raise ValueError(f"return_dict_in_generate is not supported by shared-prompt generation: remove it, {fix}.")
 
 
-def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor) -> Callable:
+def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor, longest: int | None = None) -> Callable:
     """A `custom_generate` callable for `model.generate` that decodes rows which all hold `prompt`.
 
     Args:
         engine: the engine of the generating model (its `causal_lm` carries any active PEFT adapter).
         prompt: `[L]` the prompt without padding; the rows passed to `generate` are this prompt, left-padded.
+        longest: the longest prompt of the batch that stock's one `generate` call would hold (default `L`): per-call
+            RoPE (dynamic, longrope) rotates the prompt with the frequencies of `longest` positions and the `k`-th
+            step with those of `longest + k`, as in that call (see `rope`).
     """
+    longest = longest or prompt.shape[0]
 
     def decode(
         model,
@@ -97,13 +101,15 @@ def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor) -> Callable:
         has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
         unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
         # Positions as generate derives them from the attention mask: the first real prompt token is at 0.
-        state = engine.prefill(PromptGroup(tokens=prompt, pad=0, rows=list(range(rows))))
+        with engine.rope.pinned(longest):
+            state = engine.prefill(PromptGroup(tokens=prompt, pad=0, rows=list(range(rows))))
         tail = engine.adapter.decode_tail(generation_config.max_length - width)
         step_ids = prompt[-1:].expand(rows)
         position = prompt.shape[0] - 1
         with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail)):
             while True:
-                with engine.autocast():  # the prefill's and the loss pass's precision (see `engine`)
+                # The prefill's and the loss pass's precision (see `engine`); the RoPE of `generate` at this length.
+                with engine.autocast(), engine.rope.pinned(longest + position - (prompt.shape[0] - 1)):
                     outputs = engine.causal_lm(
                         input_ids=step_ids[:, None],
                         position_ids=torch.full((rows, 1), position, device=input_ids.device),
@@ -181,11 +187,20 @@ def generate_shared(
         groups.setdefault(tuple(ids), []).append(row)
     config = generation_config_for_decoder(generation_config)
     completions: list[list[int]] = [[] for _ in prompt_ids]
+    # Per-call RoPE: each prompt decodes from the state stock's one `generate` starts from, and the state left
+    # behind is that of the longest decoding, as after stock's call.
+    longest = max(len(ids) for ids in prompt_ids)
+    start = final = engine.rope.snapshot()
+    most_steps = -1
     for tokens, rows in groups.items():
-        decoder = shared_prompt_decoder(engine, torch.tensor(tokens, device=device))
+        engine.rope.restore(start)
+        decoder = shared_prompt_decoder(engine, torch.tensor(tokens, device=device), longest)
         out = model.generate(
             input_ids=padded[rows], attention_mask=mask[rows], generation_config=config, custom_generate=decoder
         )
+        if out.shape[1] > most_steps:
+            most_steps, final = out.shape[1], engine.rope.snapshot()
         for row, completion in zip(rows, trim_after_eos(out[:, padded.shape[1] :], eos_token_ids), strict=True):
             completions[row] = completion
+    engine.rope.restore(final)
     return completions

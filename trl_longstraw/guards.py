@@ -3,8 +3,9 @@
 - `check_positions`: prompts beyond the model's RoPE window. Without RoPE scaling the positions past the window were
   never trained, so the run is refused; with scaling (YaRN, ...) past the scaled window it is only warned about.
 - `check_memory`: the planner's estimate of a step against the free device memory, before the first step.
+- `check_dropout`: active dropout in the policy, its adapters or a reference model in training mode.
 
-Both are pure functions; `LongStrawGRPOTrainer` calls them with its model, batch and device.
+All are pure functions; `LongStrawGRPOTrainer` calls them with its model, batch and device.
 """
 
 from __future__ import annotations
@@ -135,4 +136,47 @@ def check_memory(budget: Budget, free_bytes: int) -> None:
         f"completions:\n{format_budget(budget, 'per-GPU budget:')}\nTo fit, change one of:\n{changes}\n"
         "Plan other settings with `python -m trl_longstraw.plan`. If you know the run fits (the estimate is "
         "approximate), set memory_guard=False."
+    )
+
+
+def active_dropout(model: torch.nn.Module, in_training_mode_only: bool = False) -> list[str]:
+    """The modules of `model` that drop activations at random in training, each as `"name (what=p)"`.
+
+    Torch dropout modules with `p > 0` (PEFT's `lora_dropout` among them) and attention layers whose
+    `attention_dropout` is above zero (transformers applies it functionally, in training mode only). With
+    `in_training_mode_only`, modules in eval mode are left out (a reference model that never trains).
+    """
+    found = []
+    for name, module in model.named_modules():
+        if in_training_mode_only and not module.training:
+            continue
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.append(f"{name or type(module).__name__} (p={module.p:g})")
+        rate = getattr(module, "attention_dropout", 0.0)
+        if isinstance(rate, (int, float)) and rate > 0:
+            found.append(f"{name} (attention_dropout={rate:g})")
+    return found
+
+
+def check_dropout(model: torch.nn.Module, ref_model: torch.nn.Module | None = None) -> None:
+    """Refuses active dropout in the policy (any mode: it trains) or in a reference model in training mode.
+
+    The engine evaluates each token several times per step (the no-grad scoring whose values the loss uses, each
+    completion's replay with autograd and, in exact mode, the prompt's reverse pass); each run would draw its own
+    dropout mask, so the gradient would not be that of the logged loss.
+
+    Raises:
+        ValueError: naming the modules and the settings that turn their dropout off.
+    """
+    found = active_dropout(model) + (active_dropout(ref_model, in_training_mode_only=True) if ref_model else [])
+    if not found:
+        return
+    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    raise ValueError(
+        f"dropout is active in {shown}: LongStrawGRPOTrainer scores, replays and (in exact mode) recomputes each "
+        "token in separate passes, each with its own random dropout mask, so the gradient would not be that of the "
+        "logged loss. Turn dropout off: lora_dropout=0 in the LoraConfig (recipes/grpo_long.py: --lora_dropout 0, "
+        "its default), attention_dropout=0.0 in the model config (e.g. model_init_kwargs={'attention_dropout': "
+        "0.0}), or disable_dropout=True in the trainer config (sets the p of torch dropout modules, LoRA's "
+        "included, to 0; not attention_dropout)."
     )

@@ -75,8 +75,14 @@ class LongStrawScriptArguments(ScriptArguments):
 
 
 def make_parser() -> TrlParser:
-    """The recipe's parser over (`LongStrawScriptArguments`, `LongStrawGRPOConfig`, `ModelConfig`)."""
-    return TrlParser((LongStrawScriptArguments, LongStrawGRPOConfig, ModelConfig))
+    """The recipe's parser over (`LongStrawScriptArguments`, `LongStrawGRPOConfig`, `ModelConfig`).
+
+    `--lora_dropout` defaults to 0 instead of `ModelConfig`'s 0.05: LongStrawGRPOTrainer refuses active dropout
+    (each token runs in several passes, each of which would draw its own mask). A YAML key or flag still sets it.
+    """
+    parser = TrlParser((LongStrawScriptArguments, LongStrawGRPOConfig, ModelConfig))
+    parser.set_defaults_with_config(lora_dropout=0.0)
+    return parser
 
 
 def reward_function(name: str):

@@ -125,6 +125,35 @@ def tiny_config(family: str, vocab_size: int, **overrides):
     return AutoConfig.for_model(family, **base)
 
 
+def tiny_rope(family: str, rope_type: str, window: int, **overrides) -> dict:
+    """`tiny_config` overrides that give a tiny `family` model RoPE of `rope_type` (any of transformers'
+    `ROPE_INIT_FUNCTIONS`, or `default`) whose trained window is `window` positions.
+
+    Scaled types get factor 2: `linear` and `dynamic` keep `max_position_embeddings = window` (dynamic NTK scales
+    beyond it), the others extend it to `2 * window` from `original_max_position_embeddings = window`. LongRoPE's
+    short and long factors differ per frequency, so the two sets rotate differently. `default` and `proportional`
+    (on half of the rotary dimensions unless set) keep the family's own (large) window, which prompts must not
+    exceed.
+    """
+    config = tiny_config(family, vocab_size=8, **overrides)
+    params = {key: value for key, value in config.rope_parameters.items() if key != "rope_type"}
+    if rope_type == "default":
+        return {**overrides, "rope_parameters": {**params, "rope_type": rope_type}}
+    if rope_type == "proportional":  # Gemma 4's partial rotation, on the first half of the frequencies
+        return {**overrides, "rope_parameters": {"partial_rotary_factor": 0.5, **params, "rope_type": rope_type}}
+    with torch.device("meta"):
+        frequencies = AutoModelForCausalLM.from_config(config).model.rotary_emb.inv_freq.numel()
+    params.update(rope_type=rope_type, factor=2.0)
+    if rope_type in ("linear", "dynamic"):
+        return {**overrides, "rope_parameters": params, "max_position_embeddings": window}
+    params["original_max_position_embeddings"] = window
+    if rope_type == "longrope":
+        params.update(short_factor=[1.0] * frequencies, long_factor=[1.0 + i for i in range(frequencies)])
+    elif rope_type == "llama3":
+        params.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    return {**overrides, "rope_parameters": params, "max_position_embeddings": 2 * window}
+
+
 def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
     """Builds a tiny random `family` model in fp32 and saves it with the tokenizer to `path`."""
     path = Path(path)

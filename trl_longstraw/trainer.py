@@ -20,9 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType
+from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import Sampler
 from transformers import PreTrainedModel, TrainerCallback
-from transformers.utils import logging
+from transformers.training_args import OptimizerNames
+from transformers.utils import is_sagemaker_mp_enabled, logging
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
@@ -33,6 +35,7 @@ from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
 from .engine import Engine, group_prompts
 from .generation import check_generation_config, generate_shared
+from .rope import rotary_modules
 from .sharding import PromptShards, shard_group_size
 
 logger = logging.get_logger(__name__)
@@ -105,12 +108,26 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "FSDP1 is not supported by LongStrawGRPOTrainer: set fsdp_version: 2 in the accelerate config (see "
                 "recipes/accelerate/fsdp2.yaml)."
             )
+        if hasattr(self.model, "_orig_mod"):
+            raise ValueError(
+                "a torch.compile'd model is not supported by LongStrawGRPOTrainer (see torch_compile): pass the model "
+                "itself, not torch.compile(model)."
+            )
+        parallelism = self.accelerator.parallelism_config
+        if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
+            raise ValueError(
+                "context or sequence parallelism (cp_size or sp_size > 1 in the accelerate parallelism_config) is not "
+                "supported by LongStrawGRPOTrainer, nor by GRPOTrainer: set cp_size=1 and sp_size=1. To spread a long "
+                "prompt over the GPUs, set shard_prompt_state=True, which splits each prompt's state over the ranks."
+            )
         if self.args.n_gpu > 1:
             raise ValueError(
                 "torch.nn.DataParallel (several GPUs in one process) is not supported: launch one process per GPU "
                 "with `accelerate launch`."
             )
         adapter = get_adapter(_causal_lm(self.model))
+        guards.check_dropout(self.model, self.ref_model)
+        rotary_modules(_causal_lm(self.model))  # refuses per-call RoPE that the engine cannot pin
         if self.args.shard_prompt_state and not getattr(adapter, "shards_prompt_state", False):
             raise ValueError(
                 f"shard_prompt_state is not supported by the {_causal_lm(self.model).config.model_type!r} adapter "
@@ -336,6 +353,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------------------ step
     def training_step(self, model, inputs, num_items_in_batch):
+        """`Trainer.training_step` with the engine's loss and backward, and `GRPOTrainer.training_step`'s timing.
+
+        Of what Trainer's step does around `compute_loss` and `accelerator.backward` (transformers 5.23), this keeps
+        the train modes, `_prepare_inputs`, `compute_loss_context_manager` and `torch_empty_cache_steps`. The rest
+        has no work here: context parallelism, SageMaker model parallelism, LOMO optimizers (whose update runs inside
+        backward), DeepSpeed and several GPUs per process are refused at construction, and GRPO's loss is already
+        scaled for gradient accumulation (`loss_is_scaled_for_ga`).
+        """
         time_before = time.perf_counter()
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
@@ -345,6 +370,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._check_memory(model, inputs)
         with self.compute_loss_context_manager():
             loss = self._loss_and_backward(model, inputs)
+        del inputs
+        steps = self.args.torch_empty_cache_steps
+        if steps is not None and self.state.global_step % steps == 0:
+            clear_device_cache()
+            if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
+                torch.mps.clear_graph_cache()
         # Bookkeeping of GRPOTrainer.training_step, whose super() call this method replaces.
         self._step += 1
         self._current_train_step_time += time.perf_counter() - time_before
@@ -661,6 +692,23 @@ def _check_args(args: LongStrawGRPOConfig) -> None:
             "on_nonfinite='skip' is supported in single-process runs only: skipping the last micro-batch of an "
             "accumulation window on every process would leave the window's gradients unsynchronized. Use "
             "on_nonfinite='raise'."
+        )
+    if args.torch_compile:
+        raise ValueError(
+            "torch_compile is not supported by LongStrawGRPOTrainer: its adapters route every layer through the "
+            "engine's current pass (prompt chunk, branch or reverse chunk), state that a compiled graph would bake in "
+            "or recompile for at each pass. Set torch_compile=False."
+        )
+    if args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO):
+        raise ValueError(
+            f"optim={args.optim.value!r} is not supported by LongStrawGRPOTrainer: LOMO updates each weight inside "
+            "backward, and the engine back-propagates a micro-batch in many passes (one per completion and prompt "
+            "chunk), so later passes would run on already-updated weights. Use another optimizer, e.g. "
+            "optim='adamw_torch' or 'adafactor'."
+        )
+    if is_sagemaker_mp_enabled():
+        raise ValueError(
+            "SageMaker model parallelism is not supported by LongStrawGRPOTrainer: use FSDP2 or DDP via Accelerate."
         )
     if args.use_liger_kernel:
         raise ValueError("use_liger_kernel is not supported by LongStrawGRPOTrainer: set use_liger_kernel=False.")
