@@ -21,7 +21,7 @@ Three things differ between the two runs by design, and the comparison takes eac
 
 The runs use plain SGD (Adam turns elements whose gradient is at rounding level into moves of +-lr in either run,
 so later steps would compare different weights), and GLM's tiny models get GLM-5's 32 indexer heads (see
-`save_model`). A precision column is one entry of `PRECISIONS` (bf16 autocast: `{"bf16": True}`).
+`save_model`). A precision column is one entry of `PRECISIONS`.
 
 `python tests/test_matrix.py` rewrites the table in README.md's Guarantees from `CASES`; a test checks that it is
 current.
@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_pair import base_config, length_reward, position_reward  # noqa: E402
-from tolerances import GRAD_RTOL, LOSS_ATOL, LOW_PRECISION_FACTOR, METRIC_ATOL, METRIC_RTOL  # noqa: E402
+from tolerances import BF16_ERROR_FACTOR, GRAD_RTOL, LOSS_ATOL, METRIC_ATOL, METRIC_RTOL  # noqa: E402
 
 from trl_longstraw.testing import build_tokenizer  # noqa: E402
 
@@ -62,6 +62,8 @@ LORA_TARGETS = {
 PRECISIONS = {
     "fp32": {},
     "bf16 weights": {"model_init_kwargs": {"dtype": "bfloat16"}},
+    # TRL's default: autocast over fp32 weights.
+    "bf16 autocast": {"bf16": True},
 }
 # Metrics that measure time or memory, or that only one of the two trainers logs.
 UNCOMPARED = re.compile(r"runtime|_per_second|step_time|longstraw/|epoch|total_flos|train_loss")
@@ -100,7 +102,7 @@ CASES = [
     Case("llama", "default", tied=True, bias=True, loss_type="grpo", beta=0.05, iterations=(2, 2, 2)),
     Case("llama", "linear", peft="LoRA", loss_type="bnpo", beta=0.05, sampling=False, entropy_coef=1.0),
     Case("llama", "yarn", peft="DoRA", loss_type="dr_grpo", iterations=(2, 2, 2), group_shuffle=False),
-    Case("llama", "llama3", peft="rsLoRA", loss_type="cispo", beta=0.05),
+    Case("llama", "llama3", precision="bf16 autocast", peft="rsLoRA", loss_type="cispo", beta=0.05),
     Case("llama", "dynamic", peft="LoRA + modules_to_save", loss_type="sapo", iterations=(1, 2, 2)),
     Case(
         "llama", "longrope", tied=True, precision="bf16 weights", loss_type="luspo", sampling=False, entropy_coef=1.0
@@ -109,7 +111,15 @@ CASES = [
     Case("qwen3_5", "default", bias=True, peft="LoRA", loss_type="vespo", beta=0.05, iterations=(2, 2, 2)),
     Case("qwen3_5", "linear", tied=True, loss_type="grpo", sampling=False, entropy_coef=1.0),
     Case("qwen3_5", "yarn", peft="DoRA", loss_type="dapo", beta=0.05),
-    Case("qwen3_5", "llama3", peft="rsLoRA", loss_type="bnpo", iterations=(2, 2, 2), group_shuffle=False),
+    Case(
+        "qwen3_5",
+        "llama3",
+        precision="bf16 autocast",
+        peft="rsLoRA",
+        loss_type="bnpo",
+        iterations=(2, 2, 2),
+        group_shuffle=False,
+    ),
     Case("qwen3_5", "dynamic", peft="LoRA + modules_to_save", loss_type="dr_grpo", iterations=(1, 2, 2)),
     Case(
         "qwen3_5", "longrope", tied=True, precision="bf16 weights", loss_type="cispo", sampling=False, entropy_coef=1.0
@@ -118,7 +128,7 @@ CASES = [
     Case("glm_moe_dsa", "default", tied=True, bias=True, loss_type="sapo", beta=0.05, iterations=(2, 2, 2)),
     Case("glm_moe_dsa", "linear", peft="LoRA", loss_type="luspo", sampling=False, entropy_coef=1.0),
     Case("glm_moe_dsa", "yarn", peft="DoRA", loss_type="vespo", iterations=(2, 2, 2), group_shuffle=False),
-    Case("glm_moe_dsa", "llama3", peft="rsLoRA", loss_type="grpo", beta=0.05),
+    Case("glm_moe_dsa", "llama3", precision="bf16 autocast", peft="rsLoRA", loss_type="grpo", beta=0.05),
     Case("glm_moe_dsa", "dynamic", peft="LoRA + modules_to_save", loss_type="bnpo", iterations=(1, 2, 2)),
     Case(
         "glm_moe_dsa",
@@ -168,6 +178,12 @@ def save_model(case: Case, directory: Path) -> Path:
         # stock's torch.topk breaks such ties at the top-k cut-off in an unspecified order (the engine takes the
         # earlier key). With 8 heads such ties occur in these short runs; with 32 they are 2^24 times rarer.
         overrides["index_n_heads"] = 32
+        if case.precision != "fp32":
+            # Low precision flips a few of the DSA top-k and MoE routing choices, in stock as in ours, and over several
+            # optimizer steps each flip moves the run somewhere else: the step values then measure which choices
+            # flipped, not rounding. Here every key and every expert is taken (the sparse path in bf16 is held to the
+            # criterion on one micro-batch by tests/test_precision.py).
+            overrides.update(index_topk=64, num_experts_per_tok=4)
     if case.bias:
         overrides.update({key: True for key in bias_switches(case.family)})
     return save_tiny_model(directory / case.id, case.family, **tiny_rope(case.family, case.rope, WINDOW, **overrides))
@@ -290,7 +306,7 @@ def test_train_matches_stock(tmp_path, monkeypatch, case):
         fp32.model.load_state_dict(initial)
         train(fp32, monkeypatch, case, feed=completions)
         reference = logged(fp32)
-        assert distance(steps, reference) <= LOW_PRECISION_FACTOR * distance(ref_steps, reference)
+        assert distance(steps, reference) <= BF16_ERROR_FACTOR * distance(ref_steps, reference)
 
 
 # ------------------------------------------------------------------------------------------------ README table
