@@ -11,6 +11,7 @@ runs these scenarios on them:
 - `fsdp2_detached`: the same model, detached mode, `B`;
 - `sharded_exact` / `sharded_detached`: DDP with the prompt state sharded over both ranks, micro-batch `S` (the
   ranks hold the same prompts, different completions); `sharded_exact` with non-reentrant gradient checkpointing;
+- `offload_sharded_exact`: `sharded_exact` with `offload_boundary_states` (the boundaries in host memory);
 - `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state and non-reentrant gradient checkpointing,
   `S`: the ranks run in lockstep, so FSDP2 gathers and frees each layer pass by pass (how many other layers are
   gathered during a prefill is recorded);
@@ -495,6 +496,19 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         step(ddp, batches["S"], mode)
         results[name] = full_grads(trainer.model)
         results["collectives"][name] = log[start:]
+    # The same exact step with the recurrent boundaries in host memory (offload_boundary_states): owners stash theirs
+    # after the prefill and restore them before broadcasting them in the reverse pass.
+    trainer.args.offload_boundary_states = True
+    trainer._engines.clear()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    start = len(log)
+    step(ddp, batches["S"], "exact")
+    trainer.model.gradient_checkpointing_disable()
+    results["offload_sharded_exact"] = full_grads(trainer.model)
+    results["collectives"]["offload_sharded_exact"] = log[start:]
+    trainer.args.offload_boundary_states = False
+    trainer._engines.clear()
     start = len(log)
     fsdp.zero_grad(set_to_none=True)
     fsdp.set_requires_gradient_sync(True)

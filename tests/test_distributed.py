@@ -39,6 +39,7 @@ EXPECTED = {
     "sharded_exact": "sharded_exact",
     "sharded_detached": "sharded_detached",
     "fsdp2_sharded_exact": "sharded_exact",
+    "offload_sharded_exact": "sharded_exact",
     "ddp_idle_rank": "idle_rank",
     "fsdp2_idle_rank": "idle_rank",
     "sharded_idle_rank": "idle_rank",
@@ -186,6 +187,19 @@ def test_fsdp2_per_pass_under_sharded_state(launch):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_offloaded_boundaries_identical_sharded(launch):
+    """With the prompt state sharded over 2 ranks, boundaries offloaded to host memory give bit for bit the gradients
+    and the collectives of the device-kept ones (each owner restores its boundary before broadcasting it)."""
+    results = _results(launch)
+    ours, kept = results["offload_sharded_exact"], results["sharded_exact"]
+    assert set(ours) == set(kept)
+    for name, g in kept.items():
+        assert (g is None and ours[name] is None) or torch.equal(ours[name], g), name
+    for per_rank in results["collectives"]:
+        assert per_rank["offload_sharded_exact"] == per_rank["sharded_exact"]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_sharded_boundaries_follow_chunk_owners(launch):
     """Exact mode keeps chunk boundaries: after the prefill of a 3-chunk prompt, each recurrent layer's records of
     chunks 0 and 1 are on their owners only (rank 0 and rank 1), and the final one (chunk 2) is on both ranks."""
@@ -242,7 +256,7 @@ def test_collectives_equal_across_ranks(launch, scenario):
         assert {"all_gather_into_tensor", "all_to_all_single"} <= names
     # The exact-mode reverse pass broadcasts the recurrent boundary at the start of every chunk but the first, from its
     # owner: one fp32 buffer per chunk transition. `S` has prompts of 3 and 2 chunks, `C` two of 2 chunks.
-    transitions = {"sharded_exact": 3, "fsdp2_sharded_exact": 3, "sharded_idle_rank": 2}
+    transitions = {"sharded_exact": 3, "fsdp2_sharded_exact": 3, "offload_sharded_exact": 3, "sharded_idle_rank": 2}
     expected = transitions.get(scenario, 0) if launch[0] == "qwen3_5" else 0
     assert [name for name, _ in rank0].count("broadcast") == expected
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .distributed import branch_model, finish_ddp, fsdp2_gathered, fsdp2_root
+from .offload import HostBoundaries
 from .rope import RotaryPin
 
 
@@ -44,7 +45,9 @@ class PromptState:
     recurrent layer superseded it (see `Pass.emit`) and the state does not keep `boundaries`, or when the prompt state
     is sharded (`shard_prompt_state`) and another rank holds that chunk. A sharded state with `boundaries` keeps a
     recurrent layer's records on the owners of their chunks, plus the last one on every rank; the reverse pass
-    broadcasts each boundary to every rank when it needs it (`sharding.PromptShards.broadcast_boundary`).
+    broadcasts each boundary to every rank when it needs it (`sharding.PromptShards.broadcast_boundary`). With
+    `host` (`offload_boundary_states`), superseded boundaries wait in host memory instead (`None` here) until the
+    reverse pass brings them back.
     """
 
     records: dict[int, list[tuple[torch.Tensor, ...] | None]] = field(default_factory=dict)
@@ -55,6 +58,8 @@ class PromptState:
     boundaries: bool = False
     # Layers whose records supersede the earlier ones (recurrent states), filled by the prefill.
     recurrent: set[int] = field(default_factory=set)
+    # Exact mode with `offload_boundary_states`: the superseded boundaries, in host memory.
+    host: HostBoundaries | None = None
 
     def tensors(self) -> Iterator[torch.Tensor]:
         for chunks in self.records.values():
@@ -264,6 +269,8 @@ class Engine:
         autocast: a factory of the context manager every forward runs in: the autocast of stock's forward under
             mixed precision (entered per forward, so its weight-cast cache lives as long as stock's does), else
             `contextlib.nullcontext`.
+        offload_boundaries: keep the exact-mode recurrent chunk boundaries in host memory between the prefill and
+            the reverse pass (`offload.HostBoundaries`).
     """
 
     def __init__(
@@ -275,8 +282,10 @@ class Engine:
         progress: bool = False,
         shards=None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        offload_boundaries: bool = False,
     ):
         self.model = model
+        self.offload_boundaries = offload_boundaries
         self.autocast = autocast
         self.causal_lm = causal_lm
         self.adapter = adapter
@@ -327,6 +336,8 @@ class Engine:
         t0 = time.perf_counter()
         prefix = group.tokens[:-1]
         state = PromptState(boundaries=boundaries)
+        if boundaries and self.offload_boundaries:
+            state.host = HostBoundaries(prefix.device)
         chunks = self._chunks(prefix.shape[0])
         bar = tqdm(total=prefix.shape[0], desc="prefill", unit="tok", disable=not self.progress or len(chunks) < 2)
         with self.adapter.activate(), torch.no_grad():
@@ -341,6 +352,9 @@ class Engine:
                     )
                 state.num_chunks += 1
                 state.chunk_lengths.append(end - start)
+                if state.host is not None and state.num_chunks > 1:
+                    # The recurrent records of the previous chunk are now only a boundary for the reverse pass.
+                    state.host.stash(state.records, state.recurrent, state.num_chunks - 2)
                 bar.update(end - start)
         bar.close()
         self.stats.prompt_positions += prefix.shape[0]
@@ -366,6 +380,10 @@ class Engine:
         with self.adapter.activate():
             for c in reversed(range(len(chunks))):
                 start, end = chunks[c]
+                if state.host is not None and c > 0:
+                    # Boundary c - 1 back from host memory (copied while chunk c + 1 ran); the next one starts now.
+                    state.host.restore(state.records, c - 1)
+                    state.host.prefetch(c - 2)
                 if self.shards is not None and c > 0 and state.recurrent:
                     # Chunk c starts from the recurrent records of chunk c - 1, which only their owner kept.
                     self.shards.broadcast_boundary(state, c - 1)

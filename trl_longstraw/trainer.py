@@ -226,6 +226,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 progress=self.args.prefill_progress and self.accelerator.is_main_process,
                 shards=self._prompt_shards,
                 autocast=self._autocast,
+                offload_boundaries=self.args.offload_boundary_states,
             )
             self._engines[id(causal_lm)] = engine
         engine.model = model
