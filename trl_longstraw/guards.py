@@ -4,6 +4,8 @@
   never trained, so the run is refused; with scaling (YaRN, ...) past the scaled window it is only warned about.
 - `check_memory`: the planner's estimate of a step against the free device memory, before the first step.
 - `check_dropout`: active dropout in the policy, its adapters or a reference model in training mode.
+- `check_prompt_column`, `longest_prompts`, `check_reward_weights`: the dataset and the rewards, at construction,
+  instead of a `KeyError` or a bare count mismatch inside TRL at the first step.
 
 All are pure functions; `LongStrawGRPOTrainer` calls them with its model, batch and device.
 """
@@ -41,11 +43,14 @@ def check_positions(config, positions: int) -> str | None:
         raise ValueError(
             f"sequences of {positions:,} positions (prompt + completion) exceed the model's window of {window:,} "
             "positions (max_position_embeddings), and its RoPE is not scaled: the positions beyond it were never "
-            "trained. Load the model with YaRN RoPE scaling, e.g. "
+            f"trained. Load the model with YaRN RoPE scaling: rope_parameters rope_type='yarn', factor={factor}, "
+            f"original_max_position_embeddings={window} and max_position_embeddings={window * factor}. In a recipe "
+            "config (or GRPOConfig.model_init_kwargs when the model is given by name) that is `model_init_kwargs: "
+            f"{{max_position_embeddings: {window * factor}, rope_parameters: {{rope_type: yarn, factor: {factor}, "
+            f"original_max_position_embeddings: {window}, <the checkpoint's other rope_parameters keys, e.g. "
+            "rope_theta>}}` (under `text_config:` for Qwen3.5/3.6, see recipes/configs/); in Python, "
             f"AutoModelForCausalLM.from_pretrained(name, config=trl_longstraw.plan.with_yarn(AutoConfig."
-            f"from_pretrained(name), {positions})), which sets rope_parameters rope_type='yarn', factor={factor}, "
-            f"original_max_position_embeddings={window} and max_position_embeddings={window * factor}; or shorten "
-            "the prompts."
+            f"from_pretrained(name), {positions})). Or shorten the prompts."
         )
     return (
         f"sequences of {positions:,} positions (prompt + completion) exceed the model's RoPE window of {window:,} "
@@ -179,4 +184,76 @@ def check_dropout(model: torch.nn.Module, ref_model: torch.nn.Module | None = No
         "its default), attention_dropout=0.0 in the model config (e.g. model_init_kwargs={'attention_dropout': "
         "0.0}), or disable_dropout=True in the trainer config (sets the p of torch dropout modules, LoRA's "
         "included, to 0; not attention_dropout)."
+    )
+
+
+def check_prompt_column(dataset) -> None:
+    """Checks that `dataset` has a `prompt` column of text or conversations, as `GRPOTrainer` reads it.
+
+    `None` (no training dataset) and datasets that do not list their columns (an `IterableDataset` without
+    features, a plain torch dataset) pass; a `datasets.Dataset`'s first row is checked for the prompt's type.
+
+    Raises:
+        ValueError: naming the missing column and the dataset's columns, or the prompt's unexpected type.
+    """
+    columns = getattr(dataset, "column_names", None)
+    if dataset is None or columns is None:
+        return
+    if "prompt" not in columns:
+        raise ValueError(
+            f"train_dataset has no 'prompt' column (its columns: {', '.join(columns) or 'none'}): GRPOTrainer reads "
+            "each row's prompt from it. Rename the column holding the prompts, e.g. "
+            "dataset.rename_column('question', 'prompt'), or map the rows to {'prompt': ...}."
+        )
+    if not hasattr(dataset, "__getitem__") or len(dataset) == 0:
+        return
+    prompt = dataset[0]["prompt"]
+    conversation = isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)
+    if not isinstance(prompt, str) and not (conversation and prompt):
+        raise ValueError(
+            f"train_dataset's 'prompt' column holds {type(prompt).__name__} values (first row: {str(prompt)[:80]!r}): "
+            "each prompt must be a string, or a conversation as a list of {'role': ..., 'content': ...} messages."
+        )
+
+
+def _prompt_chars(prompt) -> int:
+    """The length in characters of a prompt (text, or the text contents of a conversation's messages)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in prompt)
+
+
+def longest_prompts(dataset, count: int = 2, sample: int = 4096, seed: int = 0) -> list:
+    """The `count` longest prompts, by characters, of `dataset` (of at most `sample` rows drawn at random).
+
+    Tokenizing a whole column at construction could take minutes for million-token prompts: only these few are
+    tokenized, so the window check sees the longest prompts of the data unless characters and tokens disagree
+    widely. The check at each step covers the rest. Datasets without a length return `[]`.
+    """
+    if dataset is None or not hasattr(dataset, "__len__") or getattr(dataset, "column_names", None) is None:
+        return []
+    rows = len(dataset)
+    if rows > sample:
+        indices = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))[:sample].tolist()
+        dataset = dataset.select(indices)
+    prompts = dataset["prompt"]
+    return sorted(prompts, key=_prompt_chars, reverse=True)[:count]
+
+
+def check_reward_weights(reward_funcs, reward_weights: list[float] | None) -> None:
+    """Checks that `reward_weights`, when set, gives one weight per reward function.
+
+    Raises:
+        ValueError: with both counts, the functions' names and how to fix either side (a recipe config's
+            `reward_weights` stays in force when `--reward_funcs` alone is overridden).
+    """
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if reward_weights is None or len(reward_weights) == len(funcs):
+        return
+    names = [f if isinstance(f, str) else getattr(f, "__name__", type(f).__name__) for f in funcs]
+    raise ValueError(
+        f"reward_weights has {len(reward_weights)} weights {list(reward_weights)} for {len(funcs)} reward "
+        f"function(s) ({', '.join(names)}): give one weight per reward function, in the same order (e.g. "
+        f"--reward_weights {' '.join(['1.0'] * len(funcs))}), or unset reward_weights to weigh each one 1.0. A "
+        "recipe config's reward_weights still applies when only --reward_funcs is given on the command line."
     )

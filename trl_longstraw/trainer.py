@@ -80,12 +80,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "trl_longstraw.LongStrawGRPOConfig(...), which accepts every GRPOConfig argument."
             )
         _check_args(args)
+        guards.check_reward_weights(reward_funcs, args.reward_weights)
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._check_setup()
+        self._window_warned = False
+        self._check_dataset()
         self._engines: dict[int, Engine] = {}
         self._prompt_shards = self._make_prompt_shards()
         self._precomputed: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._window_warned = False
         self._memory_checked = False
         # Old-policy log-probs: armed while the generation batch is scored; the global step they belong to.
         self._defer_old_logps = False
@@ -150,6 +152,20 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     f"model_type {_causal_lm(self.model).config.model_type!r} has no shared-prompt decoding yet: "
                     "generation runs through transformers' generate, which prefills each prompt G times."
                 )
+
+    def _check_dataset(self) -> None:
+        """The training dataset's prompt column, and its longest prompts against the model's RoPE window.
+
+        Only the two longest prompts by characters (of at most 4,096 rows drawn at random) are tokenized, so a
+        million-token dataset costs seconds here; `_check_window` still checks every sequence at each step.
+        """
+        guards.check_prompt_column(self.train_dataset)
+        if self.environment_factories is not None:
+            return  # prompts are rendered with each row's environment tools, known only at generation
+        longest = guards.longest_prompts(self.train_dataset, seed=self.args.seed)
+        if longest:
+            prompt_length = max(len(ids) for ids in self._tokenize_prompts(longest)[0])
+            self._check_window(self.model, prompt_length + (self.args.max_completion_length or 0))
 
     def _make_prompt_shards(self) -> PromptShards | None:
         """The prompt shard group of this rank (`shard_prompt_state`), or None when the state is not sharded."""
