@@ -1,5 +1,7 @@
 """The installed `trl-longstraw` command (trl_longstraw/cli.py) and the recipe script that wraps it."""
 
+import json
+import logging
 import os
 import shutil
 import subprocess
@@ -82,3 +84,60 @@ def test_installed_command_runs_outside_the_checkout(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert "trl_longstraw run summary" in result.stdout
     assert (work / "launched" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------ saving, resuming
+def small(tmp_path, *flags: str) -> list[str]:
+    """The tiny config's arguments, cut down to a few seconds a step (64-token prompts in 2 chunks, groups of 4)."""
+    return [
+        "--config", str(TINY), "--output_dir", str(tmp_path), "--prompt_tokens", "64", "--prefill_chunk_size", "32",
+        "--num_prompts", "8", "--num_generations", "4", "--per_device_train_batch_size", "4",
+        "--gradient_accumulation_steps", "1", "--prefill_progress", "false", *flags,
+    ]  # fmt: skip
+
+
+def saving_warnings(caplog, argv) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_longstraw.cli"):
+        cli.check_saving(cli.parse(argv)[1])
+    return [r.message for r in caplog.records if r.name == "trl_longstraw.cli"]
+
+
+def test_save_steps_without_save_strategy_warns(tmp_path, caplog):
+    (message,) = saving_warnings(caplog, small(tmp_path, "--save_steps", "2"))
+    assert "save_steps=2 writes no checkpoint while save_strategy is 'no'" in message
+    assert "--save_strategy steps" in message
+    assert saving_warnings(caplog, small(tmp_path, "--save_steps", "2", "--save_strategy", "steps")) == []
+    assert saving_warnings(caplog, small(tmp_path)) == []
+
+
+def test_resume_target(tmp_path):
+    def target(value, output_dir=tmp_path):
+        return cli.resume_target(cli.parse(small(output_dir, "--resume_from_checkpoint", value))[1])
+
+    with pytest.raises(ValueError, match=r"holds none: give the output_dir of the run to resume"):
+        target("true")
+    with pytest.raises(ValueError, match="holds none"):
+        target("true", tmp_path / "missing")
+    for step in (2, 10, 9):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    for value in ("true", "True", "yes", "1"):
+        assert target(value) == str(tmp_path / "checkpoint-10")
+    for value in ("false", "no", "0"):
+        assert target(value) is None
+    assert target(str(tmp_path / "checkpoint-2")) == str(tmp_path / "checkpoint-2")
+
+
+def test_resume_from_the_last_checkpoint(tmp_path):
+    """A 2-step run saving each step, then `--resume_from_checkpoint true --max_steps 3`: the resumed run starts from
+    checkpoint-2 (its log history is the checkpoint's, marked here, not recomputed) and runs one more step."""
+    first = cli.train(*cli.parse(small(tmp_path, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1")))
+    assert first.state.global_step == 2 and (tmp_path / "model.safetensors").exists()
+    state_path = tmp_path / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    state["log_history"][0]["reward"] = 123.0  # a value no run computes
+    state_path.write_text(json.dumps(state))
+    resumed = cli.train(*cli.parse(small(tmp_path, "--max_steps", "3", "--resume_from_checkpoint", "true")))
+    steps = [h for h in resumed.state.log_history if "reward" in h]
+    assert [h["step"] for h in steps] == [1, 2, 3]
+    assert steps[0]["reward"] == 123.0

@@ -11,11 +11,13 @@ card) in `output_dir`. A config published with `python -m trl_longstraw.hub expo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 from trl import ModelConfig, get_peft_config
 from trl.trainer.utils import create_model_from_path
@@ -54,10 +56,50 @@ def parse(
     return parser.parse_args_and_config(argv)
 
 
+def check_saving(args: LongStrawGRPOConfig) -> None:
+    """Warns when `save_steps` is set while `save_strategy` is `"no"` (as in `tiny_cpu.yaml`): no checkpoint would be
+    written, silently."""
+    default = next(f.default for f in dataclasses.fields(LongStrawGRPOConfig) if f.name == "save_steps")
+    if args.save_strategy == "no" and args.save_steps != default:
+        logger.warning(
+            f"save_steps={args.save_steps:g} writes no checkpoint while save_strategy is 'no' (the config sets it): "
+            f"add --save_strategy steps to save one every {args.save_steps:g} steps. The final model is saved to "
+            "output_dir either way."
+        )
+
+
+def resume_target(args: LongStrawGRPOConfig) -> str | None:
+    """The checkpoint that `args.resume_from_checkpoint` names, for `Trainer.train(resume_from_checkpoint=...)`.
+
+    `true` (any case, or `yes`, `1`), Trainer's convention, is the last checkpoint in `output_dir`; `false` (`no`, `0`)
+    or unset is none; anything else is a checkpoint path, returned as is.
+
+    Raises:
+        ValueError: for `true` when `output_dir` holds no checkpoint.
+    """
+    value = args.resume_from_checkpoint
+    word = str(value).strip().lower() if value is not None else "false"
+    if word in ("false", "no", "0", ""):
+        return None
+    if word not in ("true", "yes", "1"):
+        return value
+    last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    if last is None:
+        raise ValueError(
+            f"resume_from_checkpoint=true resumes from the last checkpoint-<step> folder in output_dir "
+            f"({args.output_dir}), but it holds none: give the output_dir of the run to resume (it must have saved "
+            "checkpoints: save_strategy steps and save_steps), or a checkpoint's path."
+        )
+    logger.info(f"resuming from {last}")
+    return last
+
+
 def train(
     script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, model_args: ModelConfig
 ) -> LongStrawGRPOTrainer:
     """Trains, prints the run summary, saves the final model to `output_dir` and returns the trainer."""
+    check_saving(training_args)
+    resume = resume_target(training_args)
     is_tiny = (model_args.model_name_or_path or "").startswith(TINY_MODEL_PREFIX)
     if is_tiny and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         # A tiny model gains nothing from intra-op threads, and on a shared CPU their spin-waiting makes each op many
@@ -101,7 +143,7 @@ def train(
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume)
 
     summary = summarize(trainer.state.log_history)
     summary["peak_memory_what"], summary["peak_memory_gib"] = peak_memory_gib()
