@@ -141,3 +141,13 @@ def test_resume_from_the_last_checkpoint(tmp_path):
     steps = [h for h in resumed.state.log_history if "reward" in h]
     assert [h["step"] for h in steps] == [1, 2, 3]
     assert steps[0]["reward"] == 123.0
+
+
+def test_recipe_saves_the_final_model_and_its_card(tmp_path):
+    """The tiny config (save_strategy "no") still saves the final model, with a card naming the model it was given."""
+    cli.train(*cli.parse(small(tmp_path, "--max_steps", "1")))
+    assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("checkpoint-*"))
+    card = (tmp_path / "README.md").read_text()
+    assert "fine-tuned version of `longstraw/tiny-llama`" in card and "None" not in card
+    assert "mode (`prompt_gradient`): `exact`" in card and "chunks of 32 tokens" in card
+    assert "hardware: 1 process on CPU" in card

@@ -35,6 +35,7 @@ from .recipe import (
     reward_function,
     summarize,
 )
+from .tasks import TASK_NAMES
 from .trainer import LongStrawGRPOTrainer
 
 logger = logging.get_logger(__name__)
@@ -143,6 +144,7 @@ def train(
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
+    trainer.base_model_name = model_args.model_name_or_path  # for the model card: not the tiny model's folder
     trainer.train(resume_from_checkpoint=resume)
 
     summary = summarize(trainer.state.log_history)
@@ -151,8 +153,10 @@ def train(
     summary["processes"] = trainer.accelerator.num_processes
     summary["shard_group"] = trainer._prompt_shards.world if trainer._prompt_shards is not None else 0
     trainer.accelerator.print("\n" + format_summary(summary, script_args, training_args))
-    # The final model, whatever save_strategy says of checkpoints (as TRL's scripts do).
+    # The final model and its card, whatever save_strategy says of checkpoints (as TRL's scripts do).
     trainer.save_model(training_args.output_dir)
+    dataset = script_args.dataset_name if script_args.dataset_name not in TASK_NAMES else None
+    trainer.create_model_card(dataset_name=dataset)
     trainer.end()
     return trainer
 
