@@ -78,12 +78,46 @@ def test_installed_command_runs_outside_the_checkout(tmp_path):
     card = (work / "tiny_cpu" / "README.md").read_text()
     line = next(line for line in card.splitlines() if "trl_longstraw.cli grpo" in line)
     assert line == "accelerate launch --cpu -m trl_longstraw.cli grpo --config tiny_cpu/config.yaml"
-    command = [sys.executable, "-m", "accelerate.commands.launch", *line.split()[2:]]
+    # With `--num_processes 2` added: accelerate's CPU launcher starts one process, which the command says.
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", *line.split()[2:]]
     command += ["--max_steps", "1", "--output_dir", "launched"]
     result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "trl_longstraw run summary" in result.stdout
+    assert "accelerate launch asked for 2 processes, but 1 runs" in result.stderr
+    assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2" in result.stderr
     assert (work / "launched" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------ processes
+@pytest.mark.parametrize(
+    ("cmdline", "requested"),
+    [
+        ("/venv/bin/accelerate launch --cpu --num_processes 2 recipes/grpo_long.py --config x.yaml", 2),
+        ("/venv/bin/accelerate launch --num-processes=4 -m trl_longstraw.cli grpo --config x.yaml", 4),
+        ("python -m accelerate.commands.launch --multi_gpu --num_processes=8 -m trl_longstraw.cli grpo", 8),
+        ("/venv/bin/accelerate-launch --cpu --num_processes 3 train.py", 3),
+        ("/venv/bin/accelerate launch --cpu recipes/grpo_long.py --num_processes 2", None),  # the script's flag
+        ("/venv/bin/accelerate launch --cpu recipes/grpo_long.py", None),
+        ("/usr/bin/python -m pytest tests/test_cli.py", None),
+        ("bash -c trl-longstraw grpo --num_processes 2", None),
+    ],
+)
+def test_requested_processes(cmdline, requested):
+    assert cli.requested_processes(cmdline.split()) == requested
+
+
+def test_fewer_processes_than_asked_warns(caplog):
+    launch = "/venv/bin/accelerate launch --cpu --num_processes 2 recipes/grpo_long.py".split()
+    with caplog.at_level(logging.WARNING, logger="trl_longstraw.cli"):
+        cli.check_processes(2, launch)
+        cli.check_processes(1, launch[:3] + launch[5:])
+        cli.check_processes(1)  # pytest's parent process is no launcher
+        assert not caplog.records
+        cli.check_processes(1, launch)
+    (record,) = caplog.records
+    assert "asked for 2 processes, but 1 runs" in record.message
+    assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ..." in record.message
 
 
 # ------------------------------------------------------------------------------------------------ saving, resuming

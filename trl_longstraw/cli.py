@@ -57,6 +57,50 @@ def parse(
     return parser.parse_args_and_config(argv)
 
 
+def requested_processes(cmdline: list[str]) -> int | None:
+    """The number of processes that an `accelerate launch` command line asks for with `--num_processes`, or None
+    (not such a command line, or no `--num_processes` before the training script)."""
+    start = None
+    for i, word in enumerate(cmdline):
+        name = os.path.basename(word)
+        if name == "accelerate-launch" or word == "accelerate.commands.launch":
+            start = i + 1
+        elif word == "launch" and i > 0 and os.path.basename(cmdline[i - 1]) == "accelerate":
+            start = i + 1
+        if start is not None:
+            break
+    if start is None:
+        return None
+    options = cmdline[start:]
+    for i, word in enumerate(options):
+        if word in ("-m", "--module") or word.endswith(".py"):
+            return None  # the training script and its arguments follow
+        if word.startswith(("--num_processes=", "--num-processes=")):
+            return int(word.split("=", 1)[1])
+        if word in ("--num_processes", "--num-processes") and i + 1 < len(options):
+            return int(options[i + 1])
+    return None
+
+
+def check_processes(running: int, cmdline: list[str] | None = None) -> None:
+    """Warns when fewer processes run than the launcher asked for: `accelerate launch --cpu --num_processes 2` starts
+    one process (its CPU launcher is single-process), silently. `cmdline` defaults to the parent process's."""
+    if cmdline is None:
+        import psutil
+
+        try:
+            cmdline = psutil.Process(os.getppid()).cmdline()
+        except psutil.Error:
+            return
+    requested = requested_processes(cmdline)
+    if requested is not None and requested > running:
+        logger.warning(
+            f"accelerate launch asked for {requested} processes, but {running} runs: with --cpu, accelerate starts a "
+            f"single process. For {requested} CPU processes (gloo), launch with `ACCELERATE_USE_CPU=1 accelerate "
+            f"launch --multi_gpu --num_processes {requested} ...`."
+        )
+
+
 def check_saving(args: LongStrawGRPOConfig) -> None:
     """Warns when `save_steps` is set while `save_strategy` is `"no"` (as in `tiny_cpu.yaml`): no checkpoint would be
     written, silently."""
@@ -99,6 +143,9 @@ def train(
     script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, model_args: ModelConfig
 ) -> LongStrawGRPOTrainer:
     """Trains, prints the run summary, saves the final model to `output_dir` and returns the trainer."""
+    state = training_args.distributed_state
+    if state.is_main_process:
+        check_processes(state.num_processes)
     check_saving(training_args)
     resume = resume_target(training_args)
     is_tiny = (model_args.model_name_or_path or "").startswith(TINY_MODEL_PREFIX)
