@@ -54,6 +54,33 @@ def fsdp2_root(model: torch.nn.Module) -> torch.nn.Module | None:
     return next((m for m in model.modules() if isinstance(m, cls)), None)
 
 
+def agree_pass_counts(counts: list[tuple[int, int, int]], slots: int, device) -> list[tuple[int, int, int]]:
+    """The pass counts every rank of the world runs in one engine call of the data-parallel lockstep.
+
+    One all-reduce (max) of a `[slots, 3]` tensor: every rank passes the same `slots` (the rows of its micro-batch,
+    an upper bound on its prompts; TRL gives every process the same number of rows).
+
+    Args:
+        counts: for each prompt this rank runs, in its order, `(prefill chunks, branch passes, reverse chunks)`.
+        slots: at least `len(counts)` on every rank.
+        device: where the collective's tensor lives (the backend's device).
+
+    Returns:
+        For each slot `k` up to the last one in which some rank runs a pass, the largest counts of any rank's `k`-th
+        prompt (zeros for a rank without one).
+    """
+    if len(counts) > slots:
+        raise RuntimeError(f"{len(counts)} prompts do not fit the {slots} slots of the pass-count agreement")
+    table = torch.zeros(slots, 3, dtype=torch.int64, device=device)
+    if counts:
+        table[: len(counts)] = torch.tensor(counts, dtype=torch.int64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    agreed = [tuple(row) for row in table.tolist()]
+    while agreed and not any(agreed[-1]):
+        agreed.pop()
+    return agreed
+
+
 def branch_model(model: torch.nn.Module) -> torch.nn.Module:
     """What the engine calls for a branch: the module inside a DDP wrapper (so DDP issues nothing), else `model`."""
     return model.module if isinstance(model, DistributedDataParallel) else model
