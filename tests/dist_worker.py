@@ -412,7 +412,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     trainer._prepare_inputs = lambda x: x
     trainer.current_gradient_accumulation_steps = 1
     count_collectives(log)
-    results: dict = {"collectives": {}, "state_bytes": {}, "others_gathered": {}}
+    results: dict = {"collectives": {}, "state_bytes": {}, "gathered": {}}
     attention_errors = sharded_attention_errors(rank, world) | sharded_dsa_errors(rank, world)
     boundary_broadcast = boundary_broadcast_problems(rank)
 
@@ -462,27 +462,44 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
     assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
-    # While a decoder layer runs without autograd (prefill), how many other decoder layers hold gathered parameters:
-    # all of them when the engine gathers once per call, none when FSDP2 gathers pass by pass.
-    others_gathered: list[int] = []
+    # Whenever FSDP2 gathers a parameter group (an unshard, a prefetch included, or the wait that completes one), how
+    # many decoder layers are gathered or being gathered, and how many hold their unsharded (plain tensor, not
+    # DTensor) parameters: at most the running layer and one prefetched when FSDP2 gathers pass by pass, every layer
+    # when the engine gathers once per call.
+    gathered: list[tuple[int, int]] = []
+    layer_groups = [_param_groups_of(layer) for layer in fsdp.model.layers]
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    def watch(module, args):
-        if not torch.is_grad_enabled():
-            others = [layer for layer in fsdp.model.layers if layer is not module]
-            others_gathered.append(sum(g.is_unsharded for layer in others for g in _param_groups_of(layer)))
+    def probed(fn):
+        def wrapper(self, *args, **kwargs):
+            out = fn(self, *args, **kwargs)
+            held = sum(any(g.is_unsharded or g._all_gather_result is not None for g in gs) for gs in layer_groups)
+            plain = sum(not isinstance(next(layer.parameters()), DTensor) for layer in fsdp.model.layers)
+            gathered.append((held, plain))
+            return out
 
-    for layer in fsdp.model.layers:
-        layer.register_forward_pre_hook(watch)
+        return wrapper
+
+    FSDPParamGroup.unshard = probed(FSDPParamGroup.unshard)
+    FSDPParamGroup.wait_for_unshard = probed(FSDPParamGroup.wait_for_unshard)
+
+    def most_gathered() -> tuple[int, int, int]:
+        """`(probes, most layers gathered or gathering, most layers with unsharded parameters)` since the last call."""
+        probes = (len(gathered), max(h for h, _ in gathered), max(p for _, p in gathered))
+        gathered.clear()
+        return probes
+
     for name, mode, micro_batches in [("fsdp2_exact", "exact", "AB"), ("fsdp2_detached", "detached", "B")]:
         start = len(log)
         fsdp.zero_grad(set_to_none=True)
+        gathered.clear()
         for i, key in enumerate(micro_batches):
             fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
             step(fsdp, batches[key], mode)
         results[name] = full_grads(fsdp)
         results["collectives"][name] = log[start:]
+        results["gathered"][name] = most_gathered()
         assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
-    results["others_gathered"]["fsdp2"] = max(others_gathered)
 
     # Sharded prompt state (over DDP).
     set_sharded(True)
@@ -512,14 +529,14 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     start = len(log)
     fsdp.zero_grad(set_to_none=True)
     fsdp.set_requires_gradient_sync(True)
-    others_gathered.clear()
+    gathered.clear()
     # With non-reentrant checkpointing, as the recipes run FSDP2: recomputed layers are gathered again by FSDP2.
     fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     step(fsdp, batches["S"], "exact")
     fsdp.gradient_checkpointing_disable()
     results["fsdp2_sharded_exact"] = full_grads(fsdp)
     results["collectives"]["fsdp2_sharded_exact"] = log[start:]
-    results["others_gathered"]["fsdp2_sharded_exact"] = max(others_gathered)
+    results["gathered"]["fsdp2_sharded_exact"] = most_gathered()
     # An idle rank: nothing to back-propagate on rank 1 (micro-batch C, beta = 0), sharded or not.
     trainer.beta = 0.0
     for name, model, sharded in [
@@ -530,9 +547,12 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         set_sharded(sharded)
         start = len(log)
         model.zero_grad(set_to_none=True)
+        gathered.clear()
         step(model, batches["C"], "exact")
         results[name] = full_grads(model.module if model is ddp else model)
         results["collectives"][name] = log[start:]
+        if model is fsdp:
+            results["gathered"][name] = most_gathered()
     trainer.beta = config.beta
     set_sharded(True)
     engine = trainer._engine(ddp)
@@ -562,7 +582,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         attention_errors,
         held,
         boundary_broadcast,
-        results["others_gathered"],
+        results["gathered"],
     )
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -572,7 +592,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["attention_errors"] = [e[3] for e in everyone]
         results["boundaries"] = [e[4] for e in everyone]
         results["boundary_broadcast"] = [e[5] for e in everyone]
-        results["others_gathered"] = [e[6] for e in everyone]
+        results["gathered"] = [e[6] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

@@ -22,7 +22,7 @@ from transformers import AutoConfig
 
 from trl_longstraw import LongStrawGRPOTrainer
 from trl_longstraw.sharding import shard_group_size
-from trl_longstraw.testing import build_tokenizer
+from trl_longstraw.testing import build_tokenizer, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +55,11 @@ def _reward(completions, **kwargs):
 def launch(request, tiny_model_path, tmp_path_factory):
     """Runs the worker on 2 processes; returns `(family, model path, batches, results, return code, output)`."""
     family = request.param
-    path = tiny_model_path(family)
     tmp = tmp_path_factory.mktemp(f"dist-{family}")
+    # At least 3 decoder layers, so that holding 2 (one running, one prefetched) is not holding them all.
+    path = tiny_model_path(family)
+    if AutoConfig.from_pretrained(path).num_hidden_layers < 3:
+        path = save_tiny_model(tmp / "model", family, num_hidden_layers=4)
     batches = make_batches(len(build_tokenizer()))
     torch.save(batches, tmp / "batches.pt")
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -176,14 +179,20 @@ def test_sharded_state_is_split(launch):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-def test_fsdp2_per_pass_under_sharded_state(launch):
-    """With the prompt state sharded over every rank (lockstep), FSDP2 gathers each layer for its pass and frees it:
-    while a layer runs the prefill, no other decoder layer is gathered. Without it, the engine gathers every layer
-    once per call (all others gathered), so the probe tells the two apart."""
+@pytest.mark.parametrize("scenario", ["fsdp2_exact", "fsdp2_detached", "fsdp2_idle_rank", "fsdp2_sharded_exact"])
+def test_fsdp2_gathers_layer_by_layer(launch, scenario):
+    """FSDP2 really shards, and gathers each decoder layer for its pass and frees it: whenever it gathers a parameter
+    group, at most 2 of the model's 3 or 4 decoder layers (the running one and one prefetched) are gathered or being
+    gathered, and at most 2 hold unsharded parameters (the others are DTensor shards). Both in the data-parallel
+    lockstep (uneven prompts, chunks and completions per rank; an idle rank) and with the prompt state sharded
+    over every rank; the engine's former once-per-call gathering would hold every layer."""
     results = _results(launch)
-    for per_rank in results["others_gathered"]:
-        assert per_rank["fsdp2"] >= 1
-        assert per_rank["fsdp2_sharded_exact"] == 0
+    layers = AutoConfig.from_pretrained(launch[1]).num_hidden_layers
+    assert layers >= 3
+    for rank, per_rank in enumerate(results["gathered"]):
+        probes, held, unsharded = per_rank[scenario]
+        assert probes > 0, f"rank {rank}: FSDP2 gathered nothing"
+        assert held <= 2 and unsharded <= 2, f"rank {rank}: {held} layers gathered, {unsharded} unsharded of {layers}"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)

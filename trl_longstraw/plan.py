@@ -416,8 +416,8 @@ class Setup:
         gpus: processes (one GPU each).
         gpu_memory: bytes per GPU (default 80 GB).
         shard_prompt_state: the prompt state and its gradient are split over the GPUs of a shard group.
-        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP only one group
-            of all GPUs lets FSDP2 gather layer by layer; smaller groups gather the whole model.
+        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2, one group of
+            all GPUs (or no sharded state) lets FSDP2 gather layer by layer; smaller groups gather the whole model.
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
@@ -538,9 +538,10 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         ),
     ]
     state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
-    if shards > 1 and state_parts == u.gpus:
-        # Lockstep passes: FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the
-        # root's own parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass.
+    if shards > 1 and (not u.shard_prompt_state or state_parts == u.gpus):
+        # Lockstep passes (the sharded state's over all GPUs, or the data-parallel one: equal pass counts per rank):
+        # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the root's own
+        # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass.
         gathered = s.root_params + s.root_trainable + 2 * s.largest_layer_params + s.largest_layer_trainable
         items.append(
             Item(
@@ -551,15 +552,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             )
         )
     elif shards > 1:
-        # Ranks run different passes, so the engine gathers the whole model once per call and reduces the gradient
-        # once per micro-batch (docs/distributed.md).
-        why = "shard groups smaller than the GPUs" if u.shard_prompt_state else "the prompt state is not sharded"
+        # Shard groups smaller than the GPUs run different passes, so the engine gathers the whole model once per call
+        # and reduces the gradient once per micro-batch (docs/distributed.md).
         items.append(
             Item(
                 "FSDP all-gathered",
                 (s.total_params + s.trainable_params) * u.compute_bytes,
-                f"whole model + its unreduced gradient, gathered once per engine call ({why}, so ranks run "
-                f"different passes), {u.compute_bytes} B each",
+                "whole model + its unreduced gradient, gathered once per engine call (shard groups smaller than the "
+                f"GPUs run different passes), {u.compute_bytes} B each",
             )
         )
     tokens = state_tokens(u.positions)
