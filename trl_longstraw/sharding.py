@@ -66,12 +66,15 @@ class PromptShards:
         # Whether every rank runs the same queries in the current pass (a prefill or reverse chunk): attention then
         # merges the ranks' parts with all-reduces instead of exchanging every rank's queries.
         self.same_queries = False
+        # Whether the current pass is a context-parallel round (`context_parallel`): rank `r` runs chunk
+        # `first + r`, whose keys the queries of the ranks after it also see.
+        self.in_round = False
 
     def owner(self, chunk: int) -> int:
         """The rank (in the group) that keeps the records of prompt chunk `chunk`."""
         return chunk % self.world
 
-    def broadcast_boundary(self, state, chunk: int) -> None:
+    def broadcast_boundary(self, state, chunk: int, like: int | None = None) -> None:
         """Gives every rank the records of `state`'s recurrent layers at the end of prompt chunk `chunk`.
 
         Collective, for the exact-mode reverse pass about to recompute chunk `chunk + 1`: the owner of `chunk` sends
@@ -84,11 +87,14 @@ class PromptShards:
         Args:
             state: an `engine.PromptState` prefilled with `boundaries=True` under these shards.
             chunk: the chunk whose end-of-chunk records to broadcast.
+            like: a chunk whose records every rank holds, to shape the received ones (default `chunk + 1`; the last
+                chunk of the round in a context-parallel reverse pass).
         """
         owner = self.owner(chunk)
+        like = chunk + 1 if like is None else like
         src = owner if self.group is None else dist.get_global_rank(self.group, owner)
         layers = sorted(state.recurrent)  # the same order on every rank
-        templates = [t for layer in layers for t in state.records[layer][chunk + 1]]
+        templates = [t for layer in layers for t in state.records[layer][like]]
         sources = [t for layer in layers for t in state.records[layer][chunk]] if owner == self.rank else None
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(templates):
@@ -106,12 +112,13 @@ class PromptShards:
         if sources is None:
             parts = iter(received)
             for layer in layers:
-                state.records[layer][chunk] = tuple(next(parts) for _ in state.records[layer][chunk + 1])
+                state.records[layer][chunk] = tuple(next(parts) for _ in state.records[layer][like])
 
     def replicated(self, n: int) -> None:
         """Declares a pass where every rank runs the same `n` query tokens (a prefill or reverse chunk)."""
         self.lengths = [n] * self.world
         self.same_queries = True
+        self.in_round = False
 
     def merge_parts(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention over every rank's chunks, from this rank's part `out` `[..., Dv]`, `lse` `[...]`, in a
@@ -127,6 +134,14 @@ class PromptShards:
         """Declares a pass where rank `r` runs its own `lengths[r]` query tokens (one branch per rank)."""
         self.lengths = list(lengths)
         self.same_queries = False
+        self.in_round = False
+
+    def cp_round(self, lengths: list[int]) -> None:
+        """Declares a context-parallel round: rank `r` runs the `lengths[r]` tokens of the prompt chunk after those of
+        rank `r - 1` (see `context_parallel`)."""
+        self.lengths = list(lengths)
+        self.same_queries = False
+        self.in_round = True
 
     def agree(self, groups: list, lengths: list[list[int]]) -> tuple[list[int], list[list[list[int]]]]:
         """Checks that every rank holds the same prompts and exchanges the branch lengths of each.
@@ -347,6 +362,16 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         if o_loc is None:  # this rank holds no visible chunk
             o_loc = torch.zeros(1, hkv, g, world * tmax, dv, dtype=acc, device=q.device)
             lse_loc = torch.full((1, hkv, g, world * tmax), float("-inf"), dtype=acc, device=q.device)
+        later = (shards.rank + 1) * tmax  # context-parallel round: the queries of later ranks also see this chunk
+        if shards.in_round and later < world * tmax:
+            o_new, lse_new = _merge(qall[:, :, :, later:], _prefix_parts((k, v)), scale)
+            lse_old = lse_loc[..., later:]
+            lse_sum = torch.logaddexp(lse_old, lse_new)  # finite: the later queries see every key of this chunk
+            o_loc[..., later:, :] = (
+                o_loc[..., later:, :] * torch.exp(lse_old - lse_sum)[..., None]
+                + o_new * torch.exp(lse_new - lse_sum)[..., None]
+            )
+            lse_loc[..., later:] = lse_sum
         packed = torch.cat([o_loc, lse_loc[..., None]], dim=-1).view(hkv, g, world, tmax, dv + 1)
         received = _all_to_all(packed.permute(2, 0, 1, 3, 4), group)[:, :, :, :t]  # [W, Hkv, g, T, Dv + 1]
         o_self, lse_self = _merge(q.view(1, hkv, g, t, d), _self_parts(k, v), scale)
@@ -354,7 +379,7 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         lse = torch.logsumexp(lses, dim=0, keepdim=True)  # [1, Hkv, g, T], finite: each query sees its own key
         weights = torch.exp(lses - lse)[..., None]
         out = (weights * torch.cat([o_self, received[..., :dv]], dim=0)).sum(0, keepdim=True)  # [1, Hkv, g, T, Dv]
-        ctx.scale, ctx.shards, ctx.lengths = scale, shards, lengths
+        ctx.scale, ctx.shards, ctx.lengths, ctx.in_round = scale, shards, lengths, shards.in_round
         ctx.save_for_backward(q, k, v, qall, out, lse, *prefix)
         return out.view(1, hq, t, dv).to(q.dtype)
 
@@ -391,6 +416,16 @@ class _ShardedPrefixAttention(torch.autograd.Function):
             dq_part, dpk, dpv = grads(qall, pk, pv, dout_all, delta_all, lse_all, causal=False, need_kv=need)
             dq_all += dq_part
             prefix_grads += [dpk, dpv]
+        later = (shards.rank + 1) * tmax
+        if ctx.in_round and later < world * tmax:
+            # This rank's own keys, seen by the later ranks' queries of the round.
+            rows = (slice(None), slice(None), slice(None), slice(later, None))
+            dq_later = torch.zeros(qall[rows].shape, dtype=acc, device=q.device)
+            dk_late, dv_late = block_grads(
+                qall[rows], k, v, dout_all[rows], delta_all[rows], lse_all[rows], scale, False, True, dq_later
+            )
+            dq_all[rows] += dq_later
+            dk, dvv = dk + dk_late, dvv + dv_late
         # Each rank's share of every rank's query gradient goes back to the query owner.
         shares = dq_all.view(hkv, g, world, tmax, d).permute(2, 0, 1, 3, 4)
         dq = dq + _all_to_all(shares, group).sum(0, keepdim=True)[:, :, :, :t]
