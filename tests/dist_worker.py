@@ -212,7 +212,8 @@ def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
 
 
 def context_parallel_round_errors(rank: int) -> dict[str, float]:
-    """fp64 max abs errors of `sharded_prefix_attention` in a context-parallel round against `prefix_merge_attention`.
+    """Max abs errors of `sharded_prefix_attention` in a context-parallel round against `prefix_merge_attention` in
+    fp64: in fp64 (portable path) and in fp32 (the fused CPU kernels, keys `fp32/...`).
 
     Prefix chunks of 5, 4 and 2 keys (on their owners), then a round in which rank 0 runs the next chunk (3 queries)
     and rank 1 the one after it (5 queries): rank 1's queries see rank 0's keys of the round too. The reference runs
@@ -222,37 +223,40 @@ def context_parallel_round_errors(rank: int) -> dict[str, float]:
     from trl_longstraw.attention import prefix_merge_attention
     from trl_longstraw.sharding import PromptShards, sharded_prefix_attention
 
-    g = torch.Generator().manual_seed(7)
+    errors = {}
+    for dtype in (torch.float64, torch.float32):
+        g = torch.Generator().manual_seed(7)
 
-    def rand(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
+        def rand(*shape, g=g):
+            return torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    def leaves(*xs):
-        return [x.clone().requires_grad_() for x in xs]
+        def leaves(*xs, dtype=torch.float64):
+            return [x.detach().clone().to(dtype).requires_grad_() for x in xs]
 
-    lengths = [3, 5]
-    chunks = [(rand(1, 2, n, 8), rand(1, 2, n, 8)) for n in (5, 4, 2)]
-    rows = [(rand(1, 4, t, 8), rand(1, 2, t, 8), rand(1, 2, t, 8), rand(1, 4, t, 8)) for t in lengths]
-    shards = PromptShards(None)
-    shards.cp_round(lengths)
-    mine = [leaves(*c) if shards.owner(i) == rank else None for i, c in enumerate(chunks)]
-    ours = leaves(*rows[rank][:3])
-    out = sharded_prefix_attention(*ours, mine, 0.3, shards)
-    out.backward(rows[rank][3])
-    whole = [leaves(*c) for c in chunks]
-    ref = [leaves(*row[:3]) for row in rows]
-    expected = [
-        prefix_merge_attention(*ref[0], whole, 0.3),
-        prefix_merge_attention(*ref[1], whole + [tuple(ref[0][1:])], 0.3),
-    ]
-    sum((e * row[3]).sum() for e, row in zip(expected, rows, strict=True)).backward()
-    errors = {"round/out": (out - expected[rank]).abs().max().item()}
-    for name, a, b in zip("qkv", ours, ref[rank], strict=True):
-        errors[f"round/d{name}"] = (a.grad - b.grad).abs().max().item()
-    for i, pair in enumerate(whole):
-        for j, x in enumerate(pair):
-            if mine[i] is not None:
-                errors[f"round/dprefix{i}.{j}"] = (mine[i][j].grad - x.grad).abs().max().item()
+        lengths = [3, 5]
+        chunks = [(rand(1, 2, n, 8), rand(1, 2, n, 8)) for n in (5, 4, 2)]
+        rows = [(rand(1, 4, t, 8), rand(1, 2, t, 8), rand(1, 2, t, 8), rand(1, 4, t, 8)) for t in lengths]
+        shards = PromptShards(None)
+        shards.cp_round(lengths)
+        mine = [leaves(*c, dtype=dtype) if shards.owner(i) == rank else None for i, c in enumerate(chunks)]
+        ours = leaves(*rows[rank][:3], dtype=dtype)
+        out = sharded_prefix_attention(*ours, mine, 0.3, shards)
+        out.backward(rows[rank][3].to(dtype))
+        whole = [leaves(*c) for c in chunks]
+        ref = [leaves(*row[:3]) for row in rows]
+        expected = [
+            prefix_merge_attention(*ref[0], whole, 0.3),
+            prefix_merge_attention(*ref[1], whole + [tuple(ref[0][1:])], 0.3),
+        ]
+        sum((e * row[3]).sum() for e, row in zip(expected, rows, strict=True)).backward()
+        tag = "fp32/round" if dtype == torch.float32 else "round"
+        errors[f"{tag}/out"] = (out.double() - expected[rank]).abs().max().item()
+        for name, a, b in zip("qkv", ours, ref[rank], strict=True):
+            errors[f"{tag}/d{name}"] = (a.grad.double() - b.grad).abs().max().item()
+        for i, pair in enumerate(whole):
+            for j, x in enumerate(pair):
+                if mine[i] is not None:
+                    errors[f"{tag}/dprefix{i}.{j}"] = (mine[i][j].grad.double() - x.grad).abs().max().item()
     return errors
 
 
