@@ -445,8 +445,8 @@ class Setup:
         gpus: processes (one GPU each).
         gpu_memory: bytes per GPU (default 80 GB).
         shard_prompt_state: the prompt state and its gradient are split over the GPUs of a shard group.
-        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP only one group
-            of all GPUs lets FSDP2 gather layer by layer; smaller groups gather the whole model.
+        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2, one group of
+            all GPUs (or no sharded state) lets FSDP2 gather layer by layer; smaller groups gather the whole model.
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
@@ -461,9 +461,6 @@ class Setup:
             optimizer state live in host memory, and the optimizer steps there.
         offload_boundary_states: exact mode: the recurrent chunk-boundary states wait in pinned host memory
             (`LongStrawGRPOConfig.offload_boundary_states`).
-        dp_per_layer: without a sharded prompt state (data-parallel mode), the ranks run equal numbers of engine
-            passes, so FSDP2 gathers layer by layer as in the lockstep sharded mode; False: the engine gathers the
-            whole model per call.
         gpus_per_node: processes per node, for the host memory of a node.
         host_memory: host bytes per node for the offloaded items; None: not checked.
     """
@@ -489,7 +486,6 @@ class Setup:
     ep_size: int = 0
     offload: bool = False
     offload_boundary_states: bool = False
-    dp_per_layer: bool = False
     gpus_per_node: int = 8
     host_memory: int | None = None
 
@@ -633,11 +629,11 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             on_gpu, detail = fsdp[name] + local[name], details[name]
         items.append(Item(name, on_gpu, detail, resident=name == "weights"))
     state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
-    lockstep = state_parts == u.gpus if u.shard_prompt_state else u.dp_per_layer
-    if shards > 1 and lockstep:
-        # Lockstep passes: FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the
-        # root's own parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass.
-        # Routed experts under expert parallelism are never gathered.
+    if shards > 1 and (not u.shard_prompt_state or state_parts == u.gpus):
+        # Lockstep passes (the sharded state's over all GPUs, or the data-parallel one: equal pass counts per rank):
+        # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the root's own
+        # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass. Routed
+        # experts under expert parallelism are never gathered.
         layer, layer_trainable = s.largest_layer_params, s.largest_layer_trainable
         if u.expert_parallel:
             layer, layer_trainable = s.largest_layer_dense_params, s.largest_layer_dense_trainable
@@ -654,20 +650,18 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             # layer's reduce-scattered gradient shard waits there for its copy to the host.
             staged = share(2 * layer * u.trainable_weight_bytes + layer_trainable * u.grad_bytes, shards)
             detail += f" + {_size(staged)} of shards staged from and to the host"
-        if not u.shard_prompt_state:
-            detail += " (data-parallel mode: every rank runs the same number of engine passes)"
         items.append(Item("FSDP all-gathered", gathered * u.compute_bytes + staged, detail))
     elif shards > 1:
-        # Ranks run different passes, so the engine gathers the whole model once per call and reduces the gradient
-        # once per micro-batch (docs/distributed.md).
-        why = "shard groups smaller than the GPUs" if u.shard_prompt_state else "the prompt state is not sharded"
+        # Shard groups smaller than the GPUs run different passes, so the engine gathers the whole model once per call
+        # and reduces the gradient once per micro-batch (docs/distributed.md).
         whole = s.total_params - moved + s.trainable_params - moved_trainable
         items.append(
             Item(
                 "FSDP all-gathered",
                 whole * u.compute_bytes,
-                f"whole model + its unreduced gradient, gathered once per engine call ({why}, so ranks run "
-                f"different passes), {u.compute_bytes} B each" + (", routed experts excluded" if moved else ""),
+                "whole model + its unreduced gradient, gathered once per engine call (shard groups smaller than the "
+                f"GPUs run different passes), {u.compute_bytes} B each"
+                + (", routed experts excluded" if moved else ""),
             )
         )
     tokens = state_tokens(u.positions)
@@ -1216,13 +1210,6 @@ def _parser() -> argparse.ArgumentParser:
         help="host memory per node for the offloaded items, e.g. 1TB; default: not checked",
     )
     p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node, for host memory; default 8")
-    p.add_argument(
-        "--dp-gather",
-        choices=["layer", "model"],
-        default="layer",
-        help="without --shard-prompt-state (data-parallel mode): 'layer' (default), every rank runs the same number "
-        "of engine passes and FSDP2 gathers layer by layer; 'model', the engine gathers the whole model per call",
-    )
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
@@ -1290,7 +1277,6 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         ep_size=args.ep_size,
         offload=args.offload,
         offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
-        dp_per_layer=args.dp_gather == "layer",
         gpus_per_node=args.gpus_per_node,
         host_memory=args.host_memory,
     )
@@ -1329,12 +1315,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         + (
             f"sharded over groups of {args.prompt_shard_group_size or args.gpus} GPUs"
             if args.shard_prompt_state
-            else "not sharded (data-parallel mode: "
-            + (
-                "ranks run equal numbers of engine passes, FSDP2 gathers layer by layer)"
-                if args.dp_gather == "layer"
-                else "FSDP2 gathers the whole model per engine call)"
-            )
+            else "not sharded (data-parallel mode: ranks run equal numbers of engine passes, FSDP2 gathers layer by "
+            "layer)"
         ),
         "",
     ]
