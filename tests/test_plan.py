@@ -607,6 +607,53 @@ def test_readme_planner_blocks_match_the_planner():
         assert planner_output(command)[1] == 0, command
 
 
+# ----------------------------------------------------------------------------------------- recipe config quotes
+CONFIGS = sorted((REPO / "recipes/configs").glob("*.yaml"))
+_QUOTED = ("verdict:", "  total", "largest prompt that fits:")
+
+
+def config_with_planner_output(text: str) -> tuple[str, list[tuple[str, int]]]:
+    """A recipe config's text with its `#   >` lines replaced by what the planner command quoted above them prints
+    (the verdict, the host total, the largest prompt), and `[(command, exit code)]`."""
+    lines, out, runs = text.splitlines(keepends=True), [], []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if not line.startswith("#   python -m trl_longstraw.plan "):
+            out.append(line)
+            i += 1
+            continue
+        command = ""
+        while True:
+            out.append(lines[i])
+            part = lines[i].removeprefix("#").strip()
+            command += " " + part.removesuffix("\\").strip()
+            i += 1
+            if not part.endswith("\\"):
+                break
+        while i < len(lines) and lines[i].startswith("#   >"):
+            i += 1
+        printed, code = planner_output("$ " + command.strip())
+        runs.append((command.strip(), code))
+        out += [f"#   > {p}\n" for p in printed.splitlines() if p.startswith(_QUOTED)]
+    return "".join(out), runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_recipe_configs_quote_the_planner(path):
+    """Every shipped config that quotes a planner command quotes what it prints, and fits (exit 0)."""
+    text = path.read_text()
+    rewritten, runs = config_with_planner_output(text)
+    assert rewritten == text, f"{path.name}'s planner quote is stale: run python -m tests.test_plan"
+    assert all(code == 0 for _, code in runs), runs
+    if path.name != "tiny_cpu.yaml":
+        assert runs, f"{path.name} quotes no planner command"
+
+
 if __name__ == "__main__":
     README.write_text(readme_with_planner_output(README.read_text()))
     print(f"rewrote the planner output in {README}")
+    for config in CONFIGS:
+        config.write_text(config_with_planner_output(config.read_text())[0])
+        print(f"rewrote the planner output in {config}")

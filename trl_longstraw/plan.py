@@ -886,7 +886,11 @@ def _fewest_gpus(stats: ModelStats, setup: Setup, fits) -> int | None:
     queries, which grows with the ranks while the state shrinks).
     """
     for gpus in range(setup.gpus, MAX_GPUS + 1):
-        if fits(estimate(stats, replace(setup, gpus=gpus))):
+        try:
+            budget = estimate(stats, replace(setup, gpus=gpus))
+        except ValueError:
+            continue  # e.g. an expert-parallel group that does not divide the experts
+        if fits(budget):
             return gpus
     return None
 
@@ -964,12 +968,16 @@ def read_recipe(path: str | Path) -> Recipe:
     """
     if not Path(path).is_file():
         raise ValueError(f"--config {str(path)!r}: no such file")
+    import yaml
+
     from .recipe import make_parser
 
     try:
         script_args, training_args, model_args = make_parser().parse_args_and_config(
             args=["--config", str(path), "--bf16", "false", "--fp16", "false"]
         )
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {str(path)!r} is not valid YAML: {e}") from None
     except SystemExit:
         raise ValueError(f"--config {str(path)!r} is not a recipe config that recipes/grpo_long.py reads") from None
     return Recipe(str(path), script_args, training_args, model_args)
@@ -1018,7 +1026,13 @@ def recipe_defaults(recipe: Recipe) -> dict:
         "no_gradient_checkpointing": not t.gradient_checkpointing,
         "lora_rank": m.lora_r if m.use_peft else None,
         "offload_boundary_states": t.offload_boundary_states,
+        # Expert parallelism and FSDP2's CPU offload, where the config has them (`expert_parallel_size`,
+        # `fsdp_cpu_offload`); accelerate's own `fsdp_offload_params` lives in the accelerate config: pass --offload.
+        "cpu_offload": bool(getattr(t, "fsdp_cpu_offload", False)),
     }
+    ep = getattr(t, "expert_parallel_size", 1) or 1
+    if ep > 1:
+        out.update(expert_parallel=True, ep_size=ep)
     if s.dataset_name in TASK_NAMES:
         out["positions"] = s.prompt_tokens
     targets = m.lora_target_modules
@@ -1213,7 +1227,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
-    p.set_defaults(lora_targets=None, offload_boundary_states=False)
+    p.set_defaults(lora_targets=None, offload_boundary_states=False, cpu_offload=False)
     return p
 
 
@@ -1275,7 +1289,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         headroom=args.headroom,
         expert_parallel=args.expert_parallel,
         ep_size=args.ep_size,
-        offload=args.offload,
+        offload=args.offload or args.cpu_offload,
         offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
         gpus_per_node=args.gpus_per_node,
         host_memory=args.host_memory,
@@ -1310,7 +1324,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         + ("off" if args.no_gradient_checkpointing else "on"),
         f"  {args.gpus} GPU(s) x {args.gpu_memory / 1e9:g} GB ({_size(args.gpu_memory)}), FSDP full sharding"
         + (f", expert parallel over {args.ep_size or args.gpus} GPUs" if args.expert_parallel else "")
-        + (", FSDP2 CPU offload" if args.offload else "")
+        + (", FSDP2 CPU offload" if args.offload or args.cpu_offload else "")
         + f", {args.precision} precision, prompt state "
         + (
             f"sharded over groups of {args.prompt_shard_group_size or args.gpus} GPUs"
