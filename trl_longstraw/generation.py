@@ -41,6 +41,10 @@ class DecodePass(Pass):
     def read(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
         return super().read(layer_idx) + self.tail.records(layer_idx)
 
+    def prompt_records(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
+        """The prompt's records of `layer_idx` alone (batch 1), for layers that treat them apart from the tail."""
+        return super().read(layer_idx)
+
     def emit(
         self, layer_idx: int, record: tuple[torch.Tensor, ...], sharded: bool = False, supersedes: bool = False
     ) -> None:
