@@ -187,8 +187,10 @@ def test_sampling_is_stocks_sampler(tiny_model_path, tmp_path, family, settings)
     assert len({tuple(r) for r in our_run[0][:, width:].tolist()}) > 1
 
 
-def test_sampled_batch_has_stocks_shapes_and_masks(tiny_model_path):
-    stock, ours = make_pair(tiny_model_path("llama"), per_device_train_batch_size=6, max_completion_length=9)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
+def test_sampled_batch_has_stocks_shapes_and_masks(tiny_model_path, family):
+    """EOS, the maximum length and padding after EOS, through `_generate_and_score_completions`."""
+    stock, ours = make_pair(tiny_model_path(family), per_device_train_batch_size=6, max_completion_length=9)
     inputs = generation_inputs(["h i j k l m n", "x"], 3)
     for t in (stock, ours):
         t.model.train()
@@ -221,13 +223,38 @@ def test_peft_greedy_equals_stock(tiny_model_path):
     "kwargs,match",
     [
         ({"num_beams": 2, "do_sample": False}, "beam"),
-        ({"guidance_scale": 2.0}, "guidance_scale"),
+        ({"guidance_scale": 2.0}, "guidance_scale=2.0.*extra model forwards"),
         ({"return_dict_in_generate": True}, "return_dict_in_generate"),
+        ({"num_return_sequences": 2}, "num_return_sequences=2.*num_generations"),
+        ({"output_scores": True}, "output_scores"),
+        ({"max_time": 5.0}, "max_time.*max_completion_length"),
+        ({"stop_strings": ["."]}, "stop_strings.*eos_token_id"),
+        ({"length_penalty": 2.0}, "length_penalty=2.0"),
+        ({"diversity_penalty": 0.5}, "diversity_penalty=0.5"),
+        ({"top_kk": 3}, "top_kk=3"),
     ],
 )
 def test_unsupported_generation_settings_are_refused(tiny_model_path, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as refused:
         make_pair(tiny_model_path("llama"), generation_kwargs=kwargs)
+    assert "shared_generation=False" in str(refused.value)
+
+
+# Logits processors other than the sampling settings: `generate` builds them and the decoder runs them unchanged.
+OTHER_PROCESSORS = [
+    {"suppress_tokens": [3, 4, 5], "begin_suppress_tokens": [6]},
+    {"no_repeat_ngram_size": 2, "min_new_tokens": 4},
+    {"bad_words_ids": [[7], [8, 9]], "sequence_bias": {(10,): 5.0}},
+    {"typical_p": 0.9, "epsilon_cutoff": 1e-3},
+    {"eta_cutoff": 1e-3, "min_length": 12},
+]
+
+
+@pytest.mark.parametrize("settings", OTHER_PROCESSORS)
+def test_other_logits_processors_are_stocks(tiny_model_path, settings):
+    _, ours = make_pair(tiny_model_path("llama"), generation_kwargs=settings)
+    steps = stock_and_ours(ours, "h i j k l m n", pad=2, rows=4, max_new_tokens=10, do_sample=True, **settings)
+    assert_same_steps(*steps)
 
 
 def test_shared_generation_off_is_stock(tiny_model_path):

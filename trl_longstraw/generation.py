@@ -29,9 +29,11 @@ class DecodePass(Pass):
     """A decoding step of G rows that share one prompt state.
 
     A layer reads every record of the prompt (batch 1), then the rows' tail (batch G) of tokens decoded before this
-    step; the record it emits for the step's token is appended to the tail. Prompt records are never written.
-    An adapter opts in with `decode_tail(capacity)` (the tail storage); its layers must then accept prompt records
-    of batch 1 with G rows of queries, as `prefix_merge_attention` does by broadcasting (no copy of the prompt).
+    step; the record it emits for the step's token is appended to the tail, or replaces the rows' previous one when
+    it `supersedes` (a recurrent state). Prompt records are never written, so the state stays the engine's
+    `PromptState` of that prompt, which a later pass may read. An adapter opts in with `decode_tail(capacity)` (the
+    tail storage, see `adapters` for the interface); its layers must then accept prompt records of batch 1 with G
+    rows of queries, as `prefix_merge_attention` does by broadcasting (no copy of the prompt).
     """
 
     def __init__(self, state: PromptState, tail):
@@ -56,8 +58,66 @@ class DecodePass(Pass):
             self.tail.append(layer_idx, record)
 
 
+# What the shared-prompt decoder reproduces as transformers applies it. `generate` builds the logits processors and
+# stopping criteria from the config and hands them to the decoder, which runs them on the same padded rows as stock.
+SAMPLING_SETTINGS = {
+    "do_sample": "sampling (multinomial) or greedy (argmax)",
+    "temperature": "TemperatureLogitsWarper",
+    "top_k": "TopKLogitsWarper",
+    "top_p": "TopPLogitsWarper",
+    "min_p": "MinPLogitsWarper",
+    "repetition_penalty": "RepetitionPenaltyLogitsProcessor, over the padded rows as stock",
+    "max_new_tokens": "MaxLengthCriteria",
+    "max_length": "MaxLengthCriteria",
+    "eos_token_id": "EosTokenCriteria, then padding after EOS",
+    "pad_token_id": "padding after EOS",
+    # Other logits processors that `generate` builds and the decoder runs unchanged (tests/test_generation.py).
+    "suppress_tokens": "SuppressTokensLogitsProcessor",
+    "begin_suppress_tokens": "SuppressTokensAtBeginLogitsProcessor",
+    "min_length": "MinLengthLogitsProcessor",
+    "min_new_tokens": "MinNewTokensLengthLogitsProcessor",
+    "no_repeat_ngram_size": "NoRepeatNGramLogitsProcessor",
+    "bad_words_ids": "NoBadWordsLogitsProcessor",
+    "sequence_bias": "SequenceBiasLogitsProcessor",
+    "typical_p": "TypicalLogitsWarper",
+    "epsilon_cutoff": "EpsilonLogitsWarper",
+    "eta_cutoff": "EtaLogitsWarper",
+}
+# Settings that do not change which tokens are drawn: ids the model's own config sets, the cache (the decoder holds
+# its own state), compilation, and version bookkeeping.
+NEUTRAL_SETTINGS = {
+    "bos_token_id",
+    "decoder_start_token_id",
+    "cache_implementation",
+    "cache_config",
+    "max_cache_len",
+    "use_cache",
+    "disable_compile",
+    "compile_config",
+    "transformers_version",
+    "_from_model_config",
+}
+# The alternative to name for the settings the decoder refuses, where there is one.
+ALTERNATIVES = {
+    "num_return_sequences": "GRPO repeats each prompt num_generations times itself",
+    "guidance_scale": "classifier-free guidance runs extra model forwards inside a logits processor",
+    "return_dict_in_generate": "GRPO uses only the token ids",
+    "output_scores": "GRPO uses only the token ids (set vllm_importance_sampling_correction on the vLLM path for "
+    "generation log-probs)",
+    "output_logits": "GRPO uses only the token ids",
+    "max_time": "limit the length with max_completion_length instead",
+    "stop_strings": "stop on token ids: add them to eos_token_id in generation_kwargs",
+}
+
+
 def check_generation_config(config: GenerationConfig) -> None:
-    """Raises ValueError for settings the shared-prompt decoder cannot reproduce, naming the alternative."""
+    """Raises ValueError for settings the shared-prompt decoder does not reproduce, naming the alternative.
+
+    Supported: sampling or greedy decoding with the settings of `SAMPLING_SETTINGS` (EOS and padding after it, the
+    maximum length, temperature, top-k, top-p, min-p, repetition penalty, and the other logits processors listed
+    there), each as transformers applies it, since the decoder runs the processors `generate` builds. Any other
+    setting that differs from `GenerationConfig()`'s default is refused.
+    """
     fix = "or set shared_generation=False in LongStrawGRPOConfig to generate with transformers' own loop"
     mode = config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
@@ -65,15 +125,15 @@ def check_generation_config(config: GenerationConfig) -> None:
             f"shared-prompt generation supports sampling and greedy decoding, not {mode.value}: remove the "
             f"generation_kwargs that select it (num_beams, penalty_alpha, dola_layers, ...), {fix}."
         )
-    if (config.num_return_sequences or 1) != 1:
-        raise ValueError(f"num_return_sequences must be 1 (GRPO repeats prompts itself): remove it, {fix}.")
-    if config.guidance_scale not in (None, 1, 1.0):
+    default = GenerationConfig().to_dict()
+    for name, value in config.to_dict().items():
+        if name in SAMPLING_SETTINGS or name in NEUTRAL_SETTINGS or (name in default and value == default[name]):
+            continue
+        why = ALTERNATIVES.get(name, "the shared-prompt decoder does not reproduce it")
         raise ValueError(
-            f"guidance_scale={config.guidance_scale} runs extra forwards of the model inside the logits processor, "
-            f"which shared-prompt generation does not route: remove it, {fix}."
+            f"generation setting {name}={value!r} is not supported by shared-prompt generation ({why}): remove it "
+            f"from generation_kwargs, {fix}. Supported: {', '.join(sorted(SAMPLING_SETTINGS))}."
         )
-    if config.return_dict_in_generate:
-        raise ValueError(f"return_dict_in_generate is not supported by shared-prompt generation: remove it, {fix}.")
 
 
 def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor, longest: int | None = None) -> Callable:
