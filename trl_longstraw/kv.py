@@ -119,6 +119,12 @@ class KVCacheAdapter:
     def __init__(self, causal_lm: PreTrainedModel):
         self.causal_lm = causal_lm
 
+    @staticmethod
+    def context_parallel(world: int) -> bool:
+        """Whether the prompt passes of a state sharded over `world` ranks can split their tokens (see
+        `context_parallel`): always, as attention is the only token mixer and goes through `sharding.attend`."""
+        return True
+
     def activate(self):
         return attention_switched(self.causal_lm)
 
