@@ -1,5 +1,10 @@
 """Shared-prompt generation: one prefill per distinct prompt; greedy equals stock, sampling is stock's sampler."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from grpo_pair import PROMPTS, generation_inputs, make_pair
@@ -264,3 +269,34 @@ def test_shared_generation_off_is_stock(tiny_model_path):
     ids = tokenize(stock, ROWS)
     assert ours._generate_single_turn(ids, None, {}, 3)[0] == stock._generate_single_turn(ids, None, {}, 3)[0]
     assert engine.stats.prompt_positions == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, family):
+    """2 processes (gloo), `shard_prompt_state=True`: each rank holds half of every prompt's attention records and
+    decodes its own rows of the same prompts (tests/decode_worker.py). Greedy completions equal `generate`'s; sampled
+    rows follow `_sample` step by step on each rank's rows and seed; the prompt states are never written."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    out = tmp_path / "out.pt"
+    command += [str(root / "tests" / "decode_worker.py"), str(tiny_model_path(family)), str(out)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=360)
+    assert run.returncode == 0 and out.exists(), run.stdout[-4000:] + run.stderr[-4000:]
+    lockstep = False
+    for rank, result in enumerate(torch.load(out, weights_only=False)):
+        got, expected = result["greedy"]
+        assert got == expected, f"rank {rank}"
+        assert len({len(c) for c in got}) > 1, "completions of different lengths (EOS midway)"
+        assert result["unchanged"], f"rank {rank}: decoding wrote the prompt state"
+        # The 13-token prompt (4 chunks of 3 before its last token): this rank holds 2 of its chunks' records.
+        assert result["held"][0] == (2, 4), result["held"]
+        for prompt, sampled in enumerate(result["sampled"]):
+            assert sampled["ours"] == sampled["stock"], f"rank {rank}, prompt {prompt}"
+            assert sampled["logp_error"] <= LOGP_ATOL, f"rank {rank}, prompt {prompt}: {sampled['logp_error']}"
+            ours_steps, stock_steps = sampled["steps"]
+            assert ours_steps >= stock_steps
+            lockstep |= ours_steps > stock_steps
+    assert lockstep, "a rank whose rows finished first should step on with the other rank"

@@ -23,6 +23,9 @@ The interface of an adapter (for a custom architecture, add its class to `ADAPTE
   `pass.read` returns the prompt's records (batch 1, to broadcast, never to write) then the tail, and
   `DecodePass.prompt_records` the prompt's alone. An adapter without it generates with transformers' `generate`
   (with a warning).
+- `decodes_sharded = True` (optional): its decoding also runs against a sharded prompt state, the ranks of a shard
+  group in lockstep: its attention goes through `sharding.attend` (which then calls
+  `sharding.sharded_decode_attention`) and its other records are whole on every rank after a sharded prefill.
 - `shards_prompt_state = True` (optional): its layers attend over the prompt through `sharding.attend` (or their own
   collective form), so the state may be split over the ranks (`shard_prompt_state`).
 - `batches_branches = True` (optional): its layers take several right-padded branches per forward against prompt

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from transformers import GenerationConfig
 from transformers.generation import GenerationMode
 from trl.trainer.utils import pad
@@ -36,8 +37,8 @@ class DecodePass(Pass):
     rows of queries, as `prefix_merge_attention` does by broadcasting (no copy of the prompt).
     """
 
-    def __init__(self, state: PromptState, tail):
-        super().__init__(state, visible=state.num_chunks)
+    def __init__(self, state: PromptState, tail, shard=None):
+        super().__init__(state, visible=state.num_chunks, shard=shard)
         self.tail = tail
 
     def read(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
@@ -136,7 +137,9 @@ def check_generation_config(config: GenerationConfig) -> None:
         )
 
 
-def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor, longest: int | None = None) -> Callable:
+def shared_prompt_decoder(
+    engine: Engine, prompt: torch.Tensor, longest: int | None = None, rows_per_rank: list[int] | None = None
+) -> Callable:
     """A `custom_generate` callable for `model.generate` that decodes rows which all hold `prompt`.
 
     Args:
@@ -145,8 +148,15 @@ def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor, longest: int | N
         longest: the longest prompt of the batch that stock's one `generate` call would hold (default `L`): per-call
             RoPE (dynamic, longrope) rotates the prompt with the frequencies of `longest` positions and the `k`-th
             step with those of `longest + k`, as in that call (see `rope`).
+        rows_per_rank: with a sharded prompt state (`engine.shards`), the number of rows of this prompt on each rank
+            of the shard group, which decode in lockstep: every step is a branch round of those rows, and the ranks
+            step until every rank's rows are done (a rank whose rows finished early appends padding, as stock does
+            after EOS, which `trim_after_eos` drops).
     """
     longest = longest or prompt.shape[0]
+    shards = engine.shards
+    if shards is not None and rows_per_rank is None:
+        raise ValueError("decoding against a sharded prompt state needs rows_per_rank")
 
     def decode(
         model,
@@ -176,8 +186,10 @@ def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor, longest: int | N
         tail = engine.adapter.decode_tail(generation_config.max_length - width)
         step_ids = prompt[-1:].expand(rows)
         position = prompt.shape[0] - 1
-        with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail)):
+        with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail, shards)):
             while True:
+                if shards is not None:
+                    shards.branch_round(rows_per_rank)
                 # The prefill's and the loss pass's precision (see `engine`); the RoPE of `generate` at this length.
                 with engine.autocast(), engine.rope.pinned(longest + position - (prompt.shape[0] - 1)):
                     outputs = engine.causal_lm(
@@ -197,12 +209,20 @@ def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor, longest: int | N
                     next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
                 input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
                 unfinished = unfinished & ~stopping_criteria(input_ids, None)
-                if unfinished.max() == 0:
+                if not _any_unfinished(unfinished, shards):
                     return input_ids
                 step_ids = next_tokens
                 position += 1
 
     return decode
+
+
+def _any_unfinished(unfinished: torch.Tensor, shards) -> bool:
+    """Whether a row of `unfinished` `[G]`, or with `shards` a row of any rank of the shard group, is still going."""
+    flag = unfinished.max().reshape(1)
+    if shards is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shards.group)
+    return bool(flag.item())
 
 
 def generation_config_for_decoder(config: GenerationConfig) -> GenerationConfig:
@@ -238,7 +258,8 @@ def generate_shared(
 
     The rows of one prompt are passed to `generate` left-padded to the batch width exactly as `GRPOTrainer` pads
     the whole batch, so the logits processors (repetition penalty, minimum length) and the maximum length see the
-    same `input_ids` as in stock; only the decoding loop is `shared_prompt_decoder`'s.
+    same `input_ids` as in stock; only the decoding loop is `shared_prompt_decoder`'s. With a sharded prompt state
+    (`engine.shards`), the ranks of the shard group decode the prompts in one agreed order, in lockstep.
 
     Args:
         model: the model `generate` is called on (unwrapped, PEFT adapters active).
@@ -255,6 +276,14 @@ def generate_shared(
     groups: dict[tuple[int, ...], list[int]] = {}
     for row, ids in enumerate(prompt_ids):
         groups.setdefault(tuple(ids), []).append(row)
+    items = list(groups.items())
+    rows_per_rank: list[list[int] | None] = [None] * len(items)
+    if engine.shards is not None:
+        # The ranks of a shard group hold the same prompts (other rows of them) and decode them in one agreed order.
+        keyed = [PromptGroup(tokens=torch.tensor(tokens), pad=0, rows=rows) for tokens, rows in items]
+        order, plan = engine.shards.agree(keyed, [[len(rows)] for _, rows in items])
+        items = [items[i] for i in order]
+        rows_per_rank = [[counts[0] for counts in ranks] for ranks in plan]
     config = generation_config_for_decoder(generation_config)
     completions: list[list[int]] = [[] for _ in prompt_ids]
     # Per-call RoPE: each prompt decodes from the state stock's one `generate` starts from, and the state left
@@ -262,9 +291,9 @@ def generate_shared(
     longest = max(len(ids) for ids in prompt_ids)
     start = final = engine.rope.snapshot()
     most_steps = -1
-    for tokens, rows in groups.items():
+    for (tokens, rows), counts in zip(items, rows_per_rank, strict=True):
         engine.rope.restore(start)
-        decoder = shared_prompt_decoder(engine, torch.tensor(tokens, device=device), longest)
+        decoder = shared_prompt_decoder(engine, torch.tensor(tokens, device=device), longest, counts)
         out = model.generate(
             input_ids=padded[rows], attention_mask=mask[rows], generation_config=config, custom_generate=decoder
         )

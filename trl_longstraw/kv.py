@@ -112,6 +112,8 @@ class KVCacheAdapter:
 
     # Attention goes through `sharding.attend`, so the records can be spread over the ranks of a shard group.
     shards_prompt_state = True
+    # Decoding against a sharded prompt state: attention through `sharding.sharded_decode_attention`.
+    decodes_sharded = True
     # Its layers take several right-padded branches per forward against prompt records of batch 1 (no-grad scoring
     # in `Engine.score`); adapters without this attribute score one branch per forward.
     batches_branches = True
