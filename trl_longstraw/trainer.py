@@ -150,10 +150,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             get_adapter(_causal_lm(self.ref_model))
         self._shared_generation = False
         if self.args.shared_generation and not self.use_vllm and not self.use_transformers_continuous_batching:
-            if self.args.shard_prompt_state:
+            if self.args.shard_prompt_state and not getattr(adapter, "decodes_sharded", False):
                 logger.warning(
-                    "shared_generation does not decode against a sharded prompt state yet: with "
-                    "shard_prompt_state=True, generation runs through transformers' generate."
+                    f"model_type {_causal_lm(self.model).config.model_type!r} does not decode against a sharded "
+                    "prompt state yet: with shard_prompt_state=True, generation runs through transformers' generate."
                 )
             elif hasattr(adapter, "decode_tail"):
                 check_generation_config(self.generation_config)
