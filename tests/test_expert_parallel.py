@@ -36,6 +36,12 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 300
 RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached"]
 FAMILIES = ["glm_moe_dsa", "qwen3_moe"]
+# Run with FSDP2's CPU offload -> the same run without it.
+OFFLOADED = {
+    "ep_exact_offload": "ep_exact",
+    "fsdp2_gathered_offload": "fsdp2_gathered",
+    "fsdp2_per_pass_offload": "fsdp2_per_pass",
+}
 # Tiny qwen3_moe: 4 experts (2 per token) in both layers, as the tiny glm_moe_dsa's MoE layers.
 QWEN3_MOE_TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.0)
 
@@ -152,12 +158,39 @@ def test_experts_are_never_gathered(launch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-@pytest.mark.parametrize("run", RUNS)
-def test_expert_parallel_collectives_equal_across_ranks(launch, run):
-    """Both ranks issue the same collectives in the same order, the experts' all-to-alls included."""
+@pytest.mark.parametrize("run", sorted(set(RUNS) | set(OFFLOADED) | set(OFFLOADED.values())))
+def test_collectives_equal_across_ranks(launch, run):
+    """Both ranks issue the same collectives in the same order, the experts' all-to-alls included under EP."""
     rank0, rank1 = (per_rank[run] for per_rank in launch[2]["collectives"])
     assert rank0 == rank1
-    assert "all_to_all_single" in {name for name, _ in rank0}
+    assert ("all_to_all_single" in {name for name, _ in rank0}) == (run.startswith("ep_") or "per_pass" in run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("run", list(OFFLOADED))
+def test_cpu_offload_gradients_identical(launch, run):
+    """FSDP2's CPUOffloadPolicy (`fsdp_cpu_offload` under expert parallelism; accelerate's `fsdp_offload_params`
+    otherwise, in the engine's gathered and per-pass modes) gives bit for bit the gradients and the collectives of
+    the same step without it."""
+    results = launch[2]
+    ours, kept = results[run], results[OFFLOADED[run]]
+    assert set(ours) == set(kept)
+    assert any(g is not None for g in kept.values())
+    for name, g in kept.items():
+        assert (g is None and ours[name] is None) or torch.equal(ours[name], g), name
+    for per_rank in results["collectives"]:
+        assert per_rank[run] == per_rank[OFFLOADED[run]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_cpu_offload_is_active(launch):
+    """Every FSDP2 parameter of the offloaded models (transformers' EP loading with `fsdp_cpu_offload`, and
+    `fully_shard` with `CPUOffloadPolicy`) is offloaded, and the local shards and their gradients are on the CPU
+    after the step (on a CPU-only machine every tensor is, so the flag is what tells the runs apart there)."""
+    for per_rank in launch[2]["offload"]:
+        assert per_rank == {"ep": True, "ep_devices": ["cpu"], "fsdp2": True, "fsdp2_devices": ["cpu"]}
 
 
 # ------------------------------------------------------------------------------------------------- settings checks
@@ -179,6 +212,12 @@ def _args(**overrides) -> LongStrawGRPOConfig:
 def test_expert_parallel_size_must_be_positive():
     with pytest.raises(ValueError, match="expert_parallel_size=0 must be a positive"):
         _args(expert_parallel_size=0)
+
+
+def test_fsdp_cpu_offload_without_expert_parallelism_refused():
+    """Under accelerate's FSDP2 the offload is accelerate's own setting: the message names it."""
+    with pytest.raises(ValueError, match="fsdp_offload_params: true"):
+        _args(expert_parallel_size=1, fsdp_cpu_offload=True)
 
 
 @pytest.mark.parametrize(
@@ -213,7 +252,13 @@ def test_check_model_config():
         check_model_config(glm, 8)
     with pytest.raises(ValueError, match="has no experts to spread"):
         check_model_config(tiny_config("llama", vocab), 2)
-    assert distributed_config(8, 4) == {"fsdp_size": 8, "ep_size": 4, "ep_implementation": "all_to_all"}
+    assert distributed_config(8, 4) == {
+        "fsdp_size": 8,
+        "ep_size": 4,
+        "ep_implementation": "all_to_all",
+        "fsdp_cpu_offload": False,
+    }
+    assert distributed_config(8, 8, cpu_offload=True)["fsdp_cpu_offload"] is True
 
 
 def test_model_not_loaded_expert_parallel_refused(tiny_model_path):
