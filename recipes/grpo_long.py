@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, get_peft_config
 from trl.trainer.utils import create_model_from_path
 
-from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer, expert_parallel
 from trl_longstraw.recipe import (
     TINY_MODEL_PREFIX,
     LongStrawScriptArguments,
@@ -116,6 +116,10 @@ def main(
     if training_args.distributed_state.distributed_type != "NO":
         model_init_kwargs["device_map"] = None  # each rank loads the model itself, as in GRPOTrainer
     model_init_kwargs.update(training_args.model_init_kwargs or {})
+    if training_args.expert_parallel_size > 1:
+        # transformers shards the model as it loads it: the experts over expert_parallel_size ranks, the rest FSDP2.
+        world = training_args.world_size
+        model_init_kwargs = expert_parallel.model_init_kwargs(training_args, world, model_init_kwargs)
     check_rope_override(
         model_path,
         model_init_kwargs,

@@ -228,6 +228,7 @@ def test_fsdp_cpu_offload_without_expert_parallelism_refused():
         ({"prompt_shard_group_size": 2}, 4, "shard_prompt_state=True with prompt_shard_group_size=0"),
         ({"save_only_model": False}, 2, "save_only_model=True"),
         ({"model_init_kwargs": {"distributed_config": {"ep_size": 2}}}, 2, "remove distributed_config"),
+        ({"model_init_kwargs": {"distributed_config": distributed_config(4, 2)}}, 2, "remove distributed_config"),
     ],
 )
 def test_check_args_refuses(overrides, world, match):
@@ -239,6 +240,7 @@ def test_check_args_accepts():
     check_args(_args(), 2)
     check_args(_args(prompt_shard_group_size=4, expert_parallel_size=2), 4)  # the group of all 4 processes
     check_args(_args(save_only_model=False, save_strategy="no"), 2)
+    check_args(_args(model_init_kwargs={"distributed_config": distributed_config(2, 2)}), 2)  # the recipe's
     check_args(_args(expert_parallel_size=1, shard_prompt_state=False, save_only_model=False), 2)
 
 

@@ -107,11 +107,16 @@ def check_args(args, world_size: int) -> None:
             "state to resume from) or save_strategy='no'."
         )
     kwargs = args.model_init_kwargs or {}
-    if isinstance(kwargs, dict) and kwargs.get("distributed_config") is not None:
-        raise ValueError(
-            "expert_parallel_size sets model_init_kwargs['distributed_config'] itself: remove distributed_config from "
-            "model_init_kwargs."
-        )
+    given = kwargs.get("distributed_config") if isinstance(kwargs, dict) else None
+    expected = distributed_config(world_size, ep, args.fsdp_cpu_offload)
+    if given is not None:
+        given = given if isinstance(given, dict) else given.to_dict()
+        if any(given.get(key) != value for key, value in expected.items()):
+            raise ValueError(
+                f"model_init_kwargs['distributed_config']={given} does not match expert_parallel_size={ep} and "
+                f"fsdp_cpu_offload={args.fsdp_cpu_offload} on {world_size} processes: remove distributed_config from "
+                "model_init_kwargs (the trainer sets it)."
+            )
 
 
 def check_model_config(config, ep_size: int) -> None:
@@ -134,10 +139,11 @@ def check_model_config(config, ep_size: int) -> None:
         )
 
 
-def model_init_kwargs(args, world_size: int) -> dict[str, Any]:
-    """`args.model_init_kwargs` with the `distributed_config` that loads a model expert-parallel over `world_size`
-    processes (TRL loads the policy and the reference model with them)."""
-    kwargs = dict(args.model_init_kwargs or {})
+def model_init_kwargs(args, world_size: int, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`kwargs` (by default `args.model_init_kwargs`) with the `distributed_config` that loads a model
+    expert-parallel over `world_size` processes (TRL loads the policy given by name and the reference model with
+    `args.model_init_kwargs`)."""
+    kwargs = dict((args.model_init_kwargs if kwargs is None else kwargs) or {})
     kwargs["distributed_config"] = distributed_config(world_size, args.expert_parallel_size, args.fsdp_cpu_offload)
     return kwargs
 

@@ -720,7 +720,8 @@ def _prepare_expert_parallel(model, args: LongStrawGRPOConfig) -> None:
         expert_parallel.check_model_config(config, args.expert_parallel_size)
     else:
         expert_parallel.check_loaded(_causal_lm(model), args.expert_parallel_size, args.fsdp_cpu_offload)
-    args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
+    if isinstance(model, str) or args.beta != 0.0:  # what TRL loads with them: the policy by name, the reference
+        args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
 
 
 def _check_args(args: LongStrawGRPOConfig) -> None:
