@@ -23,6 +23,27 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+# LoRA of the expert-parallel run and of its single-process reference.
+LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["o_proj"])
+
+
+def set_lora_weights(model) -> None:
+    """Gives the LoRA matrices of `model` the same nonzero values in every process (B is zero at PEFT's init)."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def lora_grads(model) -> dict[str, torch.Tensor | None]:
+    """The gradients of the LoRA matrices of `model`, by parameter name without PEFT's prefix."""
+    return {
+        name.removeprefix("base_model.model."): None if p.grad is None else p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if "lora_" in name
+    }
+
 
 def main(model_path: str, batches_path: str, out_path: str) -> None:
     os.environ.setdefault("ACCELERATE_USE_CPU", "1")
@@ -98,6 +119,28 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results[name] = full_grads()
         results["collectives"][name] = log[start:]
         assert all(isinstance(p, DTensor) for p in model.parameters()), "parameters left unsharded"
+
+    # LoRA on the attention output projections of the expert-parallel model: the adapters are plain tensors beside the
+    # DTensors, which transformers' Trainer broadcasts and averages itself (`_sync_replicated_trainable_parameters`,
+    # called by `train()`; its hook averages after each of the engine's backward passes, which every rank runs alike).
+    from peft import LoraConfig
+
+    lora = LongStrawGRPOTrainer(
+        model_path,
+        reward,
+        trainer_config(tempfile.mkdtemp(), **settings),
+        train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}),
+        peft_config=LoraConfig(**LORA),
+    )
+    set_lora_weights(lora.model)
+    lora._prepare_inputs = lambda x: x
+    lora.current_gradient_accumulation_steps = 1
+    lora._sync_replicated_trainable_parameters(lora.model)
+    lora.args.prompt_gradient = "exact"
+    start = len(log)
+    lora.training_step(lora.model, rows_of(batches["S"], rank), batches["S"]["num_items_in_batch"])
+    results["ep_lora_exact"] = lora_grads(lora.model)
+    results["collectives"]["ep_lora_exact"] = log[start:]
 
     # The same exact step with FSDP2's CPU offload (`fsdp_cpu_offload`): the parameters' local shards, gradients and
     # optimizer state in host memory. On a CPU-only machine transformers' `CPUOffloadPolicy()` cannot pin memory, so

@@ -16,6 +16,8 @@ import pytest
 import torch
 from datasets import Dataset
 from dist_worker import make_batches, trainer_config
+from ep_worker import LORA, lora_grads, set_lora_weights
+from peft import LoraConfig
 from tolerances import SHARDED_GRAD_RTOL
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
@@ -34,7 +36,7 @@ from trl_longstraw.testing import build_tokenizer, save_tiny_model, tiny_config
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds for the whole 2-process launch; ~30 s on 2 busy cores.
 LAUNCH_TIMEOUT = 300
-RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached"]
+RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached", "ep_lora_exact"]
 FAMILIES = ["glm_moe_dsa", "qwen3_moe"]
 # Run with FSDP2's CPU offload -> the same run without it.
 OFFLOADED = {
@@ -112,6 +114,10 @@ def reference(launch):
     stock_args = GRPOConfig(output_dir=tempfile.mkdtemp(), **settings)
     stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset)
     refs = {"ep_exact": grads(stock), "ep_exact_checkpointing": grads(stock, checkpointing=True)}
+    stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset, peft_config=LoraConfig(**LORA))
+    set_lora_weights(stock.model)
+    grads(stock)
+    refs["ep_lora_exact"] = lora_grads(stock.model)
     ours = LongStrawGRPOTrainer(
         str(path), _reward, trainer_config(tempfile.mkdtemp(), num_generations=2), train_dataset=dataset
     )
@@ -126,10 +132,14 @@ def reference(launch):
 def test_expert_parallel_gradients_match_single_process(launch, reference, run):
     """Every parameter's gradient, experts included (gathered from the ranks for the comparison only), equals the
     single-process one of the same global batch: stock GRPOTrainer's in exact mode (with and without gradient
-    checkpointing), the unsharded engine's in detached mode."""
+    checkpointing, and with LoRA adapters on the attention outputs, whose gradients the Trainer averages itself), the
+    unsharded engine's in detached mode."""
     got, expected = launch[2][run], reference[run]
     assert set(got) == set(expected)
-    assert any(".experts." in name and g is not None for name, g in expected.items())
+    if run == "ep_lora_exact":
+        assert expected and all(g is not None for g in expected.values())
+    else:
+        assert any(".experts." in name and g is not None for name, g in expected.items())
     for name, ref in expected.items():
         if ref is None:  # the DSA indexer, which runs without autograd as in stock
             assert got[name] is None or not got[name].any(), f"{run}: {name} got a gradient, stock has none"
