@@ -92,6 +92,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._prompt_shards = self._make_prompt_shards()
         self._precomputed: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._memory_checked = False
+        # The planner's estimate of a step, from the memory guard before the first GPU step (for the model card).
+        self.memory_estimate: dict[str, int] | None = None
+        # The base model's name for the model card, when the model's config does not say it (a local folder).
+        self.base_model_name: str | None = None
         # Old-policy log-probs: armed while the generation batch is scored; the global step they belong to.
         self._defer_old_logps = False
         self._old_logps_step: int | None = None
@@ -225,6 +229,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             gpu_memory=memory[1],
         )
         guards.check_memory(budget, free)
+        self.memory_estimate = {
+            "peak": budget.peak,
+            "to_allocate": budget.to_allocate,
+            "free": free,
+            "gpu_memory": memory[1],
+            "positions": prompt,
+            "completion_length": completion,
+        }
 
     # ---------------------------------------------------------------------------------------------------- engine
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -566,6 +578,16 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             "steps_per_generation": args.steps_per_generation,
             "num_iterations": self.num_iterations,
         }
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None) -> None:
+        """Saves the model card to `output_dir/README.md` (`trl_longstraw.card`: the base model, the LongStraw
+        method and mode, the hardware and the planner's verdict), in place of TRL's."""
+        if not self.is_world_process_zero():
+            return
+        from .card import model_card
+
+        tags = [tags] if isinstance(tags, str) else tags
+        model_card(self, model_name, dataset_name, tags).save(os.path.join(self.args.output_dir, "README.md"))
 
     def _save_rng_state(self, output_dir: str) -> None:
         """Saves, with each process's RNG state, its generation buffer and micro-step counter.
