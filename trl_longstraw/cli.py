@@ -139,6 +139,26 @@ def resume_target(args: LongStrawGRPOConfig) -> str | None:
     return last
 
 
+def prompt_token_lengths(trainer: LongStrawGRPOTrainer, sample: int = 16, seed: int = 0) -> list[int]:
+    """Token lengths, as the trainer tokenizes them (chat template included), of up to `sample` prompts of the
+    training dataset drawn at random; `[]` for a dataset without a length or with per-row environments."""
+    dataset = trainer.train_dataset
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "select") or trainer.environment_factories is not None:
+        return []
+    indices = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:sample].tolist()
+    return [len(ids) for ids in trainer._tokenize_prompts(list(dataset.select(indices)["prompt"]))[0]]
+
+
+def describe_lengths(lengths: list[int]) -> str | None:
+    """`"211 tokens"`, or `"180-240 tokens (mean 211 of 16 sampled)"` when the lengths differ; None for none."""
+    if not lengths:
+        return None
+    low, high = min(lengths), max(lengths)
+    if low == high:
+        return f"{low} tokens"
+    return f"{low}-{high} tokens (mean {sum(lengths) / len(lengths):.0f} of {len(lengths)} sampled)"
+
+
 def train(
     script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, model_args: ModelConfig
 ) -> LongStrawGRPOTrainer:
@@ -199,6 +219,7 @@ def train(
     summary["train_runtime_s"] = trainer.state.log_history[-1].get("train_runtime", float("nan"))
     summary["processes"] = trainer.accelerator.num_processes
     summary["shard_group"] = trainer._prompt_shards.world if trainer._prompt_shards is not None else 0
+    summary["prompt_tokens"] = describe_lengths(prompt_token_lengths(trainer, seed=training_args.seed))
     trainer.accelerator.print("\n" + format_summary(summary, script_args, training_args))
     # The final model and its card, whatever save_strategy says of checkpoints (as TRL's scripts do).
     trainer.save_model(training_args.output_dir)
