@@ -271,6 +271,18 @@ def test_layer_by_layer_gather_without_sharded_state(preset_stats):
     assert per_pass.detail.startswith("per pass")
 
 
+def test_data_parallel_row_fits(capsys):
+    """Issue 14's data-parallel row (README): Qwen3.6-27B, 100K positions, detached, 8 x 96 GB, no sharded state.
+    FSDP2 gathers layer by layer, so it fits; gathering the whole model (27B parameters and their gradient in bf16,
+    100 GiB) could not."""
+    argv = ["--model", "qwen3.6-27b", "--positions", "100K", "--gpus", "8", "--gpu-memory", "96GB"]
+    argv += ["--mode", "detached"]
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "verdict: FITS" in out and "prompt state not sharded" in out
+    assert "FSDP all-gathered        11.61 GiB  per pass" in out
+
+
 def test_shard_groups_smaller_than_the_gpus(preset_stats):
     """Groups of 8 of 32 GPUs split the state 8 ways, exchange queries over 8 ranks, and run different passes
     across groups, so FSDP2 holds the whole model and its gradient (unlike without sharding)."""
