@@ -332,6 +332,7 @@ class ModelStats:
         expert_params, expert_trainable: parameters of the routed experts (fused `[E, out, in]` weights), all layers.
         largest_layer_dense_params, largest_layer_dense_trainable: the largest decoder layer without its routed
             experts (what FSDP2 gathers per layer under expert parallelism, where experts are never gathered).
+        largest_layer_expert_params: the routed experts of the layer that has the most.
         model_type: the config's, for its activation multiples (`ACTIVATION_MULTIPLES`).
         attention_heads, head_dim: query heads and their width, for the score tiles of the portable attention path.
     """
@@ -354,6 +355,7 @@ class ModelStats:
     expert_trainable: int = 0
     largest_layer_dense_params: int = 0
     largest_layer_dense_trainable: int = 0
+    largest_layer_expert_params: int = 0
     model_type: str = ""
     attention_heads: int = 0
     head_dim: int = 0
@@ -454,6 +456,7 @@ def model_stats(
         expert_trainable=sum(expert_trained),
         largest_layer_dense_params=max(dense),
         largest_layer_dense_trainable=max(dense_trainable),
+        largest_layer_expert_params=max(expert_counts),
         model_type=config.model_type,
         attention_heads=config.num_attention_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
@@ -623,15 +626,19 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     moved_trainable = s.expert_trainable if u.expert_parallel else 0
     fsdp_trainable, fsdp_frozen = s.trainable_params - moved_trainable, s.total_params - s.trainable_params
     fsdp_frozen -= moved - moved_trainable
+    # The experts of an EP rank are sharded by FSDP2 over the ranks that hold the same experts (`gpus / ep` of them),
+    # so every GPU holds 1/gpus of them, as without expert parallelism (trl_longstraw/expert_parallel.py).
     fsdp_weights = share(fsdp_trainable * u.trainable_weight_bytes + fsdp_frozen * u.frozen_weight_bytes, shards)
     ep_weights = share(
-        moved_trainable * u.trainable_weight_bytes + (moved - moved_trainable) * u.frozen_weight_bytes, ep
+        moved_trainable * u.trainable_weight_bytes + (moved - moved_trainable) * u.frozen_weight_bytes, shards
     )
     sharded = f", sharded /{shards}" if shards > 1 else ""
     experts = ""
     if moved:
         sharded = f", sharded /{shards} but the routed experts" if shards > 1 else ", but the routed experts"
         experts = f", which are split by expert /{ep} ({s.num_experts // ep} of {s.num_experts} per GPU)"
+        if ep < shards:
+            experts += f" and sharded /{shards // ep} by FSDP2"
     # FSDP2's CPUOffloadPolicy keeps the sharded parameters (the fp32 master weights), their gradients and the
     # optimizer state in host memory and steps the optimizer there; experts outside FSDP2 stay on the GPU.
     host = []
@@ -655,8 +662,8 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     }
     local = {
         "weights": ep_weights,
-        "gradients": share(moved_trainable * u.grad_bytes, ep),
-        "optimizer state": share(moved_trainable * u.optimizer_bytes, ep),
+        "gradients": share(moved_trainable * u.grad_bytes, shards),
+        "optimizer state": share(moved_trainable * u.optimizer_bytes, shards),
     }
     details = {"weights": weights_detail, "gradients": grad_detail, "optimizer state": optim_detail}
     items = []
@@ -676,14 +683,17 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # experts under expert parallelism are never gathered.
         layer, layer_trainable = s.largest_layer_params, s.largest_layer_trainable
         if u.expert_parallel:
-            layer, layer_trainable = s.largest_layer_dense_params, s.largest_layer_dense_trainable
+            # With EP groups smaller than the GPUs, FSDP2 gathers a layer's local experts over their replicas.
+            local_experts = share(s.largest_layer_expert_params, ep) if ep < shards else 0
+            layer = s.largest_layer_dense_params + local_experts
+            layer_trainable = s.largest_layer_dense_trainable
         gathered = s.root_params + s.root_trainable + 2 * layer + layer_trainable
         detail = (
             "per pass: root module (embeddings, head) and its unreduced gradient + 2 largest layers (current, "
             f"prefetched) + 1 layer's unsharded gradient, {u.compute_bytes} B each"
         )
         if u.expert_parallel:
-            detail += ", routed experts excluded"
+            detail += ", routed experts excluded" if ep == shards else f", each layer's local experts (1/{ep})"
         staged = 0
         if u.offload:
             # The current and prefetched layers' shards are copied to the GPU before their all-gather, and one
@@ -1177,6 +1187,21 @@ def trainer_refusals(
         rope = rope_override_refusal(original_config or config, args.model_init_kwargs)
         if rope is not None:
             out.append(rope)
+        # The trainer checks expert parallelism against its processes: here, the planned GPUs.
+        ep = getattr(args, "expert_parallel_size", 1)
+        if ep > 1:
+            from . import expert_parallel
+
+            for check in (
+                lambda: expert_parallel.check_args(args, setup.gpus),
+                lambda: expert_parallel.check_model_config(config, ep),
+            ):
+                try:
+                    check()
+                except ValueError as e:
+                    out.append(str(e))
+            args = copy.copy(args)
+            args.expert_parallel_size = 1
         try:
             _check_args(args)
         except ValueError as e:
