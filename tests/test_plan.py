@@ -594,6 +594,17 @@ def test_portable_attention_score_tiles_are_counted():
     )
 
 
+def test_dsa_selection_buffers_are_counted(preset_stats):
+    """GLM-5.2's top-k selection keeps each query's running candidates (2,048 kept + a block of at most 32,768 keys,
+    fp32 scores and int64 numbers) and one fp32 indexer score tile of at most 2^26 elements."""
+    _, stats = preset_stats["glm-5.2"]
+    assert plan.dsa_selection_bytes(stats, 4096, 2_099_999) == 4096 * (2048 + 32768) * 12 + 2**26 * 4
+    assert plan.dsa_selection_bytes(stats, 512, 1000) == 512 * (2048 + 1000) * 12 + 512 * 32 * 1000 * 4
+    assert plan.dsa_selection_bytes(preset_stats["qwen3.6-27b"][1], 4096, 2_099_999) == 0
+    budget = estimate(stats, Setup(positions=2_100_000, gpus=32, shard_prompt_state=True))
+    assert "DSA top-k candidates" in [i for i in budget.items if i.name == "chunk activations"][0].detail
+
+
 @pytest.mark.slow
 def test_planner_is_calibrated_on_the_gpu_check():
     """Every step the GPU check measured (benchmarks/gpu/gpu_results.jsonl) is predicted within 10% above and 5%

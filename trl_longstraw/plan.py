@@ -280,11 +280,12 @@ def query_exchange(config) -> tuple[int, int]:
 # bf16, real-width slices, chunks of 16,384): the peak beyond the weights, gradients, prompt state and checkpointed
 # layer inputs, per token and matmul element, is the same within 2% at every prompt length of a family; these are its
 # largest values rounded up to 0.05 (`python benchmarks/calibrate_planner.py` prints them, benchmarks/CALIBRATION.md).
-# Those runs used the torch fallbacks of Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the
-# fla and Triton kernels hold less. Model types without their own entry use the KV-cache families' (llama's).
+# GLM's DSA top-k selection is an item of its own (`dsa_selection_bytes`). Those runs used the torch fallbacks of
+# Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the fla and Triton kernels hold less. Model
+# types without their own entry use the KV-cache families' (llama's).
 ACTIVATION_MULTIPLES = {
     "llama": (1.25, 1.75),
-    "glm_moe_dsa": (1.25, 2.8),
+    "glm_moe_dsa": (0.5, 2.0),
     "qwen3_5_text": (1.8, 3.2),
     "qwen3_5": (1.8, 3.2),
 }
@@ -302,6 +303,19 @@ def score_tiles(stats: ModelStats, compute_bytes: int, queries: int, autograd: b
     if kernel or stats.model_type == "glm_moe_dsa" or not stats.attention_heads:
         return 0
     return (4 if autograd else 3) * queries * stats.attention_heads * KEY_BLOCK * 4
+
+
+def dsa_selection_bytes(stats: ModelStats, queries: int, keys: int) -> int:
+    """Bytes of the DSA top-k selection of `queries` query tokens over `keys` prompt keys (`glm_moe_dsa`'s PyTorch
+    path, `glm_moe_dsa._running_topk`): each query's running candidates, `index_topk` kept plus one key block of at
+    most `INDEX_KEY_BLOCK`, as fp32 scores and int64 key numbers, and one fp32 indexer score tile of at most
+    `INDEX_TILE` elements. 0 for other models. The Triton kernels used on CUDA hold less."""
+    if stats.model_type != "glm_moe_dsa" or not stats.index_topk:
+        return 0
+    from .glm_moe_dsa import INDEX_KEY_BLOCK, INDEX_TILE
+
+    block = min(INDEX_KEY_BLOCK, max(keys, 1))
+    return queries * (stats.index_topk + block) * (4 + 8) + min(INDEX_TILE, queries * stats.index_heads * block) * 4
 
 
 def activation_multiples(model_type: str) -> tuple[float, float]:
@@ -335,6 +349,7 @@ class ModelStats:
         largest_layer_expert_params: the routed experts of the layer that has the most.
         model_type: the config's, for its activation multiples (`ACTIVATION_MULTIPLES`).
         attention_heads, head_dim: query heads and their width, for the score tiles of the portable attention path.
+        index_heads, index_topk: the DSA indexer's heads and top-k (`glm_moe_dsa`), for its selection buffers.
     """
 
     total_params: int
@@ -359,6 +374,8 @@ class ModelStats:
     model_type: str = ""
     attention_heads: int = 0
     head_dim: int = 0
+    index_heads: int = 0
+    index_topk: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -460,6 +477,8 @@ def model_stats(
         model_type=config.model_type,
         attention_heads=config.num_attention_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        index_heads=getattr(config, "index_n_heads", 0) or 0,
+        index_topk=getattr(config, "index_topk", 0) or 0,
     )
 
 
@@ -671,7 +690,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         if u.offload:
             host.append(Item(name, fsdp[name], details[name]))
             on_gpu = local[name]
-            detail = f"{_size(fsdp[name])} {where}" + (f"; experts /{ep} on the GPU" if local[name] else "")
+            detail = f"{_size(fsdp[name])} {where}" + (" but the routed experts' share" if local[name] else "")
         else:
             on_gpu, detail = fsdp[name] + local[name], details[name]
         items.append(Item(name, on_gpu, detail, resident=name == "weights"))
@@ -790,14 +809,23 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         exchange = state_parts * u.completion_length * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
         branch += exchange
         detail += f" + {_size(exchange)} exchanged by one attention layer across the {state_parts} ranks' branches"
-    tiles = score_tiles(s, u.compute_bytes, u.group_size * u.completion_length, autograd=True, device=u.device)
+    # One branch at a time (see `Setup.group_size`): its completion's tokens are the queries.
+    tiles = score_tiles(s, u.compute_bytes, u.completion_length, autograd=True, device=u.device)
     if tiles:
         branch += tiles
         detail += f" + {_size(tiles)} of fp32 score tiles (portable attention path)"
+    selection = dsa_selection_bytes(s, u.completion_length, tokens)
+    if selection:
+        branch += selection
+        detail += f" + {_size(selection)} of DSA top-k candidates"
     items.append(Item("branch graph", branch, detail, phase="activations"))
     chunk = min(u.prefill_chunk_size, max(tokens, 1))
     tiles = score_tiles(s, u.compute_bytes, chunk, autograd=exact, device=u.device)
     scored = f" + {_size(tiles)} of fp32 score tiles (portable attention path)" if tiles else ""
+    selection = dsa_selection_bytes(s, chunk, tokens)
+    if selection:
+        tiles += selection
+        scored += f" + {_size(selection)} of DSA top-k candidates"
     if exact:
         items.append(
             Item(
