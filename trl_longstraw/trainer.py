@@ -87,6 +87,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._check_dataset()
         self._engines: dict[int, Engine] = {}
         self._prompt_shards = self._make_prompt_shards()
+        # Bytes the engines may hold in prompt states beyond the one in use (`Engine.hold_budget`): no limit on CPU;
+        # on GPU the newest state only until the memory guard has measured what is left (`_check_memory`); sharded,
+        # the newest only, as the ranks must agree on which states they hold.
+        sharded_or_gpu = self._prompt_shards is not None or self.accelerator.device.type == "cuda"
+        self._hold_budget: int | None = 0 if sharded_or_gpu else None
         self._precomputed: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._memory_checked = False
         # Old-policy log-probs: armed while the generation batch is scored; the global step they belong to.
@@ -216,6 +221,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             gpu_memory=memory[1],
         )
         guards.check_memory(budget, free)
+        if self._prompt_shards is None:
+            # What the step leaves free holds the prompt states of further prompts (generation's offers, the
+            # states a micro-batch of several prompts keeps from scoring to backward).
+            self._hold_budget = free - budget.to_allocate
+            for engine in self._engines.values():
+                engine.hold_budget = self._hold_budget
 
     # ---------------------------------------------------------------------------------------------------- engine
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -244,6 +255,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 autocast=self._autocast,
                 offload_boundaries=self.args.offload_boundary_states,
             )
+            engine.hold_budget = self._hold_budget
             self._engines[id(causal_lm)] = engine
         engine.model = model
         return engine
@@ -334,6 +346,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                         batch["completion_ids"],
                         batch["completion_mask"],
                         batch_tokens=self.args.prefill_chunk_size,
+                        reuse=True,
                     )
                 batch["old_per_token_logps"] = logps
                 del batch[OLD_LOGPS_PENDING]
@@ -356,17 +369,30 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             ) as unwrapped_model,
             torch.no_grad(),
         ):
+            engine = self._engine(unwrapped_model)
             completion_ids = generate_shared(
                 unwrapped_model,
-                self._engine(unwrapped_model),
+                engine,
                 prompt_ids,
                 self.generation_config,
                 pad_token_id=self._tokenizer.pad_token_id,
                 eos_token_ids=self.eos_token_ids,
                 pad_to_multiple_of=self.pad_to_multiple_of,
                 device=self.accelerator.device,
+                offer_boundaries=self._offer_boundaries(engine),
             )
         return completion_ids, None
+
+    def _offer_boundaries(self, engine: Engine) -> bool | None:
+        """Whether generation's prompt states go to the loss pass, and with which chunk boundaries (None: not).
+
+        In training, the loss pass that follows with the same weights (`num_iterations=1`, or the first iteration)
+        takes them instead of prefilling again (`Engine.offer`); exact mode needs the recurrent chunk boundaries.
+        Not with per-call RoPE (dynamic, longrope): generation pins other frequencies than the loss pass.
+        """
+        if not self.model.training or engine.rope.modules:
+            return None
+        return self.args.prompt_gradient == "exact"
 
     # ------------------------------------------------------------------------------------------------------ step
     def training_step(self, model, inputs, num_items_in_batch):
@@ -416,7 +442,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             torch.cuda.reset_peak_memory_stats()
         exact = self.args.prompt_gradient == "exact"
         with torch.no_grad():
-            logps, entropies = engine.score(*prompt, *completion, keep_last=True, boundaries=exact)
+            logps, entropies = engine.score(*prompt, *completion, keep=True, boundaries=exact)
         wrt = [logps.requires_grad_()] + ([entropies.requires_grad_()] if entropies is not None else [])
         self._precomputed = (logps, entropies)
         metrics_before = {key: len(values) for key, values in self._metrics["train"].items()}
@@ -620,6 +646,11 @@ class _FillOldLogpsBeforeUpdate(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._fill_pending_old_logps()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # Held prompt states (generation's offers not taken) belong to the weights before the update.
+        for engine in self.trainer._engines.values():
+            engine.release()
 
 
 def peak_rss_gib() -> float:
