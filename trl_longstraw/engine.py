@@ -248,6 +248,8 @@ class StepStats:
     """Timings and sizes of the engine work since the last reset, for logging."""
 
     prompt_positions: int = 0
+    # Positions of held states taken instead of prefilling (generation's offers).
+    reused_positions: int = 0
     prefill_s: float = 0.0
     replay_s: float = 0.0
     reverse_s: float = 0.0
@@ -255,6 +257,7 @@ class StepStats:
 
     def reset(self) -> None:
         self.prompt_positions, self.prefill_s, self.replay_s, self.reverse_s, self.state_bytes = 0, 0.0, 0.0, 0.0, 0
+        self.reused_positions = 0
 
 
 class Engine:
@@ -304,9 +307,9 @@ class Engine:
         # stock's one forward over its P + C positions.
         self.rope = RotaryPin(causal_lm)
         # Prompt states held for a later pass over the same prompt with the same weights, oldest first: offered by
-        # generation (`offer`) or kept by the scoring pass of a micro-batch for its backward pass. Each is stamped
-        # with the weights' version it was computed with (`weights_version`).
-        self._held: dict[tuple[int, bytes], tuple[int, PromptState]] = {}
+        # generation (`offer`, flagged True) or kept by the scoring pass of a micro-batch for its backward pass. Each
+        # is stamped with the weights' version it was computed with (`weights_version`).
+        self._held: dict[tuple[int, bytes], tuple[int, PromptState, bool]] = {}
         # Bytes that the held states other than the newest may take (None: no limit). The trainer sets it from the
         # memory guard on GPU; the newest state is always held, as the loss pass holds one state anyway.
         self.hold_budget: int | None = None
@@ -318,7 +321,7 @@ class Engine:
 
     def held(self) -> dict[tuple[int, bytes], PromptState]:
         """The held prompt states by prompt key `(pad, token bytes)`, oldest first."""
-        return {key: state for key, (_, state) in self._held.items()}
+        return {key: state for key, (_, state, _) in self._held.items()}
 
     def weights_version(self) -> int:
         """A number that changes whenever a parameter of the model is modified in place (an optimizer step, loading
@@ -336,21 +339,21 @@ class Engine:
         The scoring pass of a micro-batch then takes it instead of prefilling the same prompt again, as long as the
         weights have not changed (`weights_version`) and the state has the chunk boundaries the pass needs.
         """
-        self._hold(self.key(group), state)
+        self._hold(self.key(group), state, offered=True)
 
-    def _hold(self, key: tuple[int, bytes], state: PromptState) -> None:
+    def _hold(self, key: tuple[int, bytes], state: PromptState, offered: bool = False) -> None:
         """Holds `state` under `key`, dropping states of older weights, then the oldest ones beyond `hold_budget`."""
         version = self.weights_version()
-        for old in [k for k, (v, _) in self._held.items() if v != version]:
+        for old in [k for k, (v, _, _) in self._held.items() if v != version]:
             del self._held[old]
         self._held.pop(key, None)
-        self._held[key] = (version, state)
+        self._held[key] = (version, state, offered)
         if self.hold_budget is None:
             return
         # A budget of 0 holds the newest state only, whatever the others' sizes: sharded, the ranks hold different
         # shares of each state, and must still agree on which states they hold.
         while len(self._held) > 1 and (
-            self.hold_budget == 0 or sum(s.nbytes() for _, s in list(self._held.values())[:-1]) > self.hold_budget
+            self.hold_budget == 0 or sum(s.nbytes() for _, s, _ in list(self._held.values())[:-1]) > self.hold_budget
         ):
             del self._held[next(iter(self._held))]
             if not self._hold_warned:
@@ -396,9 +399,12 @@ class Engine:
         if reuse:
             state = self._take(key, boundaries)
             if state is not None:
-                held = self._held.pop(key)
-                if keep:  # held again, as the newest
-                    self._held[key] = held
+                version, _, offered = self._held.pop(key)
+                if offered:
+                    self.stats.reused_positions += sum(state.chunk_lengths)
+                    self.stats.state_bytes = max(self.stats.state_bytes, state.nbytes())
+                if keep:  # held again, as the newest, now kept by this pass
+                    self._held[key] = (version, state, False)
                 return state
         t0 = time.perf_counter()
         prefix = group.tokens[:-1]

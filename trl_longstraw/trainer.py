@@ -563,6 +563,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         metrics = self._metrics["train"]
         stats = engine.stats
         metrics["longstraw/prompt_positions"].append(float(stats.prompt_positions))
+        metrics["longstraw/prompt_positions_reused"].append(float(stats.reused_positions))
         metrics["longstraw/prefill_s"].append(stats.prefill_s)
         metrics["longstraw/replay_s"].append(stats.replay_s)
         metrics["longstraw/reverse_s"].append(stats.reverse_s)
