@@ -127,7 +127,7 @@ def test_prompt_passes_peft_reference_is_the_same_model(tiny_model_path):
 
 
 # Families whose shared-prompt generation decodes against the engine's prompt state.
-DECODING_FAMILIES = ["llama"]
+DECODING_FAMILIES = ["llama", "qwen3_5"]
 
 
 @pytest.mark.slow
