@@ -175,12 +175,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         Only the two longest prompts by characters (of at most 4,096 rows drawn at random) are tokenized, so a
         million-token dataset costs seconds here; `_check_window` still checks every sequence at each step.
         """
+        # The longest prompt found, in tokens: the memory guard's estimate before the first generation.
+        self._dataset_prompt_length: int | None = None
         guards.check_prompt_column(self.train_dataset)
         if self.environment_factories is not None:
             return  # prompts are rendered with each row's environment tools, known only at generation
         longest = guards.longest_prompts(self.train_dataset, seed=self.args.seed)
         if longest:
             prompt_length = max(len(ids) for ids in self._tokenize_prompts(longest)[0])
+            self._dataset_prompt_length = prompt_length
             self._check_window(self.model, prompt_length + (self.args.max_completion_length or 0))
 
     def _make_prompt_shards(self) -> PromptShards | None:
@@ -213,14 +216,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._window_warned = True
             logger.warning(warning)
 
-    def _check_memory(self, model, inputs: dict[str, Any]) -> None:
-        """Before the first step on GPU: stops a run that the planner says cannot fit in the free memory."""
+    def _check_memory(self, model, prompt_length: int, completion_length: int) -> None:
+        """Before the first step on GPU: stops a run that the planner says cannot fit in the free memory.
+
+        The planner's step includes generation's decode tail; the memory left free after the step's estimate holds
+        the prompt states of further prompts (`Engine.hold_budget`).
+        """
         self._memory_checked = True
         memory = guards.device_free_memory(self.accelerator.device) if self.args.memory_guard else None
         if memory is None:
             return
         free, prompt, completion = guards.worst_over_processes(
-            self.accelerator, memory[0], inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]
+            self.accelerator, memory[0], prompt_length, completion_length
         )
         budget = guards.runtime_budget(
             _causal_lm(model),
@@ -428,9 +435,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
+        if not self._memory_checked and self._dataset_prompt_length is not None:
+            # Before the first generation, with the dataset's longest prompt, so that the guard covers generation.
+            self._check_memory(model, self._dataset_prompt_length, self.args.max_completion_length or 0)
         inputs = self._prepare_inputs(inputs)
         if not self._memory_checked:
-            self._check_memory(model, inputs)
+            self._check_memory(model, inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1])
         with self.compute_loss_context_manager():
             loss = self._loss_and_backward(model, inputs)
         del inputs
