@@ -273,7 +273,7 @@ def test_shared_generation_off_is_stock(tiny_model_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
 def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, family):
     """2 processes (gloo), `shard_prompt_state=True`: each rank holds half of every prompt's attention records and
     decodes its own rows of the same prompts (tests/decode_worker.py). Greedy completions equal `generate`'s; sampled
