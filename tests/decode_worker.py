@@ -12,7 +12,9 @@ each rank:
   between the ranks is exercised), recording the processed scores of every step; most tokens are EOS on rank 0, so
   its rows finish first and it steps on in lockstep with rank 1;
 - records, for each prompt state the decoding prefilled, whether decoding left it unchanged and how many attention
-  records this rank holds of how many chunks.
+  records this rank holds of how many chunks;
+- greedy again on an FSDP2 model (`fully_shard` on every layer and the root), where `generate` runs with
+  `synced_gpus` and the decoder in lockstep with FSDP2's per-layer gathers.
 
 Rank 0 writes every rank's results to `OUT`.
 """
@@ -139,7 +141,35 @@ def main(model_path: str, out_path: str) -> None:
         attention_layers = [layer for layer in state.records if layer not in state.recurrent]
         chunks = state.records[attention_layers[0]] if attention_layers else []
         held.append((sum(record is not None for record in chunks), len(chunks)))
-    mine = {"greedy": (got, expected), "sampled": sampled, "unchanged": unchanged, "held": held}
+    # FSDP2 (`fully_shard` on every decoder layer and the root): `generate` runs with synced_gpus, the decoder in
+    # lockstep with the layers gathered pass by pass; greedy completions are the unsharded model's.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    from trl_longstraw.adapters import get_adapter
+    from trl_longstraw.engine import Engine
+    from trl_longstraw.generation import generate_shared
+
+    fsdp = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in fsdp.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    assert is_fsdp_managed_module(fsdp), "generate would not run with synced_gpus"
+    fsdp_engine = Engine(fsdp, fsdp, get_adapter(fsdp), chunk_size=3, shards=shards)
+    config = generation_config_for_decoder(trainer.generation_config)
+    with torch.no_grad():
+        fsdp_got = generate_shared(fsdp, fsdp_engine, ids, config, 0, trainer.eos_token_ids, None, torch.device("cpu"))
+
+    mine = {
+        "greedy": (got, expected),
+        "fsdp2_greedy": fsdp_got,
+        "sampled": sampled,
+        "unchanged": unchanged,
+        "held": held,
+    }
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
