@@ -653,13 +653,24 @@ def decode_select_topk(
         topk: `index_topk` of the config; scale: indexer softmax scale.
 
     Returns:
-        `[G, min(topk, P + t)]` key numbers, the prompt's `[0, P)` then row `g`'s tail from `P`, `-1` for none.
+        `[G, min(topk, P + t)]` key numbers, the prompt's `[0, P)` then row `g`'s tail from `P`, `-1` for none. On
+        CUDA, the Triton selection of `dsa_kernels` (one launch per row), with this code as its reference.
     """
     prefix_len = sum(part.shape[0] for part in prompt_keys)
     g, t = row_keys.shape[:2]
     total = prefix_len + t
     if total <= topk:
         return torch.arange(total, device=q.device)[None, :].expand(g, -1)
+    if dsa_kernels is not None and dsa_kernels.enabled(q):
+        # The kernels' selection row by row: the prompt's chunks and the row's tail are its key parts, its token last.
+        return torch.cat(
+            [
+                dsa_kernels.select_topk(
+                    q[r : r + 1], weights[r : r + 1], [*prompt_keys, row_keys[r]], total - 1, topk, scale
+                )
+                for r in range(g)
+            ]
+        )
     numbers = torch.arange(prefix_len, total, device=q.device)[None, :].expand(g, -1)
     # The tail's scores, per row, by the operations of `_index_scores` (stock's at decode).
     scores = torch.relu(torch.matmul(q.float(), row_keys.float().transpose(1, 2)) * scale)  # [G, H, t]
