@@ -216,8 +216,58 @@ def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
                         dist.all_reduce(total)
                     if mine[i] is not None:
                         errors[f"{tag}/dprefix{i}.{j}"] = (mine[i][j].grad.double() - total).abs().max().item()
+        errors |= context_parallel_round_errors(rank)
     finally:
         attention.KEY_BLOCK = saved_block
+    return errors
+
+
+def context_parallel_round_errors(rank: int) -> dict[str, float]:
+    """Max abs errors of `sharded_prefix_attention` in a context-parallel round against `prefix_merge_attention` in
+    fp64: in fp64 (portable path) and in fp32 (the fused CPU kernels, keys `fp32/...`).
+
+    Prefix chunks of 5, 4 and 2 keys (on their owners), then a round in which rank 0 runs the next chunk (3 queries)
+    and rank 1 the one after it (5 queries): rank 1's queries see rank 0's keys of the round too. The reference runs
+    both chunks in one process with the loss of both; each rank's query, key and value gradients and each prefix
+    chunk's gradient on its owner must be the reference's.
+    """
+    from trl_longstraw.attention import prefix_merge_attention
+    from trl_longstraw.sharding import PromptShards, sharded_prefix_attention
+
+    errors = {}
+    for dtype in (torch.float64, torch.float32):
+        g = torch.Generator().manual_seed(7)
+
+        def rand(*shape, g=g):
+            return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+        def leaves(*xs, dtype=torch.float64):
+            return [x.detach().clone().to(dtype).requires_grad_() for x in xs]
+
+        lengths = [3, 5]
+        chunks = [(rand(1, 2, n, 8), rand(1, 2, n, 8)) for n in (5, 4, 2)]
+        rows = [(rand(1, 4, t, 8), rand(1, 2, t, 8), rand(1, 2, t, 8), rand(1, 4, t, 8)) for t in lengths]
+        shards = PromptShards(None)
+        shards.cp_round(lengths)
+        mine = [leaves(*c, dtype=dtype) if shards.owner(i) == rank else None for i, c in enumerate(chunks)]
+        ours = leaves(*rows[rank][:3], dtype=dtype)
+        out = sharded_prefix_attention(*ours, mine, 0.3, shards)
+        out.backward(rows[rank][3].to(dtype))
+        whole = [leaves(*c) for c in chunks]
+        ref = [leaves(*row[:3]) for row in rows]
+        expected = [
+            prefix_merge_attention(*ref[0], whole, 0.3),
+            prefix_merge_attention(*ref[1], whole + [tuple(ref[0][1:])], 0.3),
+        ]
+        sum((e * row[3]).sum() for e, row in zip(expected, rows, strict=True)).backward()
+        tag = "fp32/round" if dtype == torch.float32 else "round"
+        errors[f"{tag}/out"] = (out.double() - expected[rank]).abs().max().item()
+        for name, a, b in zip("qkv", ours, ref[rank], strict=True):
+            errors[f"{tag}/d{name}"] = (a.grad.double() - b.grad).abs().max().item()
+        for i, pair in enumerate(whole):
+            for j, x in enumerate(pair):
+                if mine[i] is not None:
+                    errors[f"{tag}/dprefix{i}.{j}"] = (mine[i][j].grad.double() - x.grad).abs().max().item()
     return errors
 
 
@@ -604,7 +654,8 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     with torch.no_grad():
         logps, _ = engine.score(*scored)
     results["state_bytes"]["sharded"] = engine.stats.state_bytes
-    # An exact-mode prefill of the longest prompt of `S` (3 chunks): which chunks' recurrent records this rank holds.
+    # An exact-mode prefill of the longest prompt of `S` (12 prefix tokens): the chunks whose recurrent records this
+    # rank holds.
     longest = max(group_prompts(local["prompt_ids"], local["prompt_mask"]), key=lambda g: g.tokens.shape[0])
     state = engine.prefill(longest, boundaries=True)
     held = {layer: [c for c, r in enumerate(state.records[layer]) if r is not None] for layer in state.recurrent}

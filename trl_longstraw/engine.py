@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from .context_parallel import CPRound, plan_rounds
 from .distributed import agree_pass_counts, branch_model, finish_ddp, fsdp2_gathered, fsdp2_root
 from .offload import HostBoundaries
 from .rope import RotaryPin
@@ -80,10 +81,13 @@ class PromptState:
 class Pass:
     """What the patched layers may read and where their new records go, for one forward."""
 
-    def __init__(self, state: PromptState, visible: int, append: bool = False, shard=None):
+    def __init__(self, state: PromptState, visible: int, append: bool = False, shard=None, cp=None):
         self.state = state
         self.visible = visible
         self.append = append
+        # `context_parallel.CPRound` in a context-parallel round of a sharded state: this rank runs chunk `cp.chunk`
+        # (`visible == cp.first`), and the reverse pass's `sink` maps each layer to `{chunk: record}`.
+        self.cp = cp
         # `sharding.PromptShards` when the prompt state is sharded across ranks: attention over the prompt is then
         # collective (`sharding.sharded_prefix_attention`) and `read` returns None for chunks held elsewhere.
         self.shard = shard
@@ -119,6 +123,19 @@ class Pass:
             ValueError: on every rank, when a superseding record of a sharded state with boundaries changes shapes or
                 dtypes from one chunk to the next.
         """
+        if self.cp is not None:
+            if supersedes or not sharded:
+                raise RuntimeError(
+                    f"layer {layer_idx}: a context-parallel round takes sharded records from `emit` and superseding "
+                    "ones from `emit_round`"
+                )
+            if self.append:
+                records = self.state.records.setdefault(layer_idx, [])
+                for chunk in self.cp.chunks:
+                    records.append(tuple(t.detach() for t in record) if chunk == self.cp.chunk else None)
+            elif self.sink is not None:
+                self.sink[layer_idx] = {self.cp.chunk: record}
+            return
         if self.append:
             records = self.state.records.setdefault(layer_idx, [])
             if supersedes:
@@ -131,6 +148,22 @@ class Pass:
             records.append(tuple(t.detach() for t in record) if held else None)
         elif self.sink is not None:
             self.sink[layer_idx] = record
+
+    def emit_round(self, layer_idx: int, records: list[tuple[torch.Tensor, ...]]) -> None:
+        """Receives, in a context-parallel round, the superseding records of every chunk of the round from layer
+        `layer_idx` (a recurrent layer, which computes them for all the round's chunks on every rank), in chunk order.
+
+        Each is taken as `emit(layer_idx, record, supersedes=True)` takes the record of a chunk in a replicated pass.
+        """
+        if self.append:
+            cp, self.cp = self.cp, None
+            try:
+                for record in records:
+                    self.emit(layer_idx, record, supersedes=True)
+            finally:
+                self.cp = cp
+        elif self.sink is not None:
+            self.sink[layer_idx] = dict(zip(self.cp.chunks, records, strict=True))
 
     def _drop_unowned_boundary(
         self, layer_idx: int, records: list[tuple[torch.Tensor, ...] | None], record: tuple[torch.Tensor, ...]
@@ -321,6 +354,10 @@ class Engine:
         fsdp = fsdp2_root(model) is not None
         self.lockstep = fsdp and shards is None
         self.fsdp_per_pass = fsdp and (shards is None or shards.world == dist.get_world_size())
+        # Context parallelism (`context_parallel`): the ranks of a shard group split each prefill and reverse pass's
+        # tokens, for adapters whose token mixers support it at this group size; the others replicate the passes.
+        supports = getattr(adapter, "context_parallel", None)
+        self.context_parallel = shards is not None and supports is not None and supports(shards.world)
         self.stats = StepStats()
         # Per-call RoPE (dynamic, longrope): each call of `score` and `backward` rotates with the frequencies of
         # stock's one forward over its P + C positions.
@@ -343,6 +380,24 @@ class Engine:
     def _positions(self, start: int, n: int, device) -> torch.Tensor:
         return torch.arange(start, start + n, device=device)[None]
 
+    def _passes(self, n: int) -> list[list[tuple[int, int]]]:
+        """The passes over a prompt prefix of `n` tokens: `[(start, end)]` for a chunk that every rank runs, or one
+        `(start, end)` per rank for a context-parallel round (`context_parallel.plan_rounds`)."""
+        if self.context_parallel:
+            return plan_rounds(n, self.chunk_size, self.shards.world)
+        return [[chunk] for chunk in self._chunks(n)]
+
+    def _declare(self, first: int, bounds: list[tuple[int, int]]) -> tuple[int, int, CPRound | None]:
+        """Declares the pass over `bounds`, whose first chunk is chunk `first`, to the shards; returns this rank's
+        `(start, end)` and the context-parallel round, if any."""
+        if len(bounds) == 1:
+            if self.shards is not None:
+                self.shards.replicated(bounds[0][1] - bounds[0][0])
+            return *bounds[0], None
+        cp = CPRound(first, [end - start for start, end in bounds], self.shards.rank)
+        self.shards.cp_round(cp.lengths)
+        return *bounds[cp.rank], cp
+
     def prefill(
         self, group: PromptGroup, keep: bool = False, reuse: bool = False, boundaries: bool = False
     ) -> PromptState:
@@ -362,24 +417,25 @@ class Engine:
         state = PromptState(boundaries=boundaries)
         if boundaries and self.offload_boundaries:
             state.host = HostBoundaries(prefix.device)
-        chunks = self._chunks(prefix.shape[0])
-        bar = tqdm(total=prefix.shape[0], desc="prefill", unit="tok", disable=not self.progress or len(chunks) < 2)
+        passes = self._passes(prefix.shape[0])
+        bar = tqdm(total=prefix.shape[0], desc="prefill", unit="tok", disable=not self.progress or len(passes) < 2)
         with self.adapter.activate(), torch.no_grad():
-            for start, end in chunks:
-                if self.shards is not None:
-                    self.shards.replicated(end - start)
-                with use_pass(Pass(state, visible=state.num_chunks, append=True, shard=self.shards)), self.autocast():
+            for bounds in passes:
+                start, end, cp = self._declare(state.num_chunks, bounds)
+                p = Pass(state, visible=state.num_chunks, append=True, shard=self.shards, cp=cp)
+                with use_pass(p), self.autocast():
                     self._backbone()(
                         input_ids=prefix[None, start:end],
                         position_ids=self._positions(group.pad + start, end - start, prefix.device),
                         use_cache=False,
                     )
-                state.num_chunks += 1
-                state.chunk_lengths.append(end - start)
-                if state.host is not None and state.num_chunks > 1:
-                    # The recurrent records of the previous chunk are now only a boundary for the reverse pass.
-                    state.host.stash(state.records, state.recurrent, state.num_chunks - 2)
-                bar.update(end - start)
+                for first, last in bounds:
+                    state.num_chunks += 1
+                    state.chunk_lengths.append(last - first)
+                    if state.host is not None and state.num_chunks > 1:
+                        # The recurrent records of the previous chunk are now only a boundary for the reverse pass.
+                        state.host.stash(state.records, state.recurrent, state.num_chunks - 2)
+                bar.update(bounds[-1][1] - bounds[0][0])
         bar.close()
         self.stats.prompt_positions += prefix.shape[0]
         self.stats.prefill_s += time.perf_counter() - t0
@@ -411,27 +467,30 @@ class Engine:
         ran = 0
         self._kept = None
         prefix = group.tokens[:-1]
-        chunks = self._chunks(prefix.shape[0])
+        passes = self._passes(prefix.shape[0])
+        firsts = [0]  # the first chunk of each pass
+        for bounds in passes[:-1]:
+            firsts.append(firsts[-1] + len(bounds))
         if not state.boundaries:
             raise RuntimeError("the exact-mode reverse pass needs a state prefilled with boundaries=True")
         with self.adapter.activate():
-            for c in reversed(range(len(chunks))):
-                start, end = chunks[c]
+            for i in reversed(range(len(passes))):
+                bounds, c = passes[i], firsts[i]
+                last = c + len(bounds) - 1
                 if state.host is not None and c > 0:
-                    # Boundary c - 1 back from host memory (copied while chunk c + 1 ran); the next one starts now.
+                    # Boundary c - 1 back from host memory (copied while the next pass ran); the next one starts now.
                     state.host.restore(state.records, c - 1)
-                    state.host.prefetch(c - 2)
+                    state.host.prefetch(firsts[i - 1] - 1)
                 if self.shards is not None and c > 0 and state.recurrent:
-                    # Chunk c starts from the recurrent records of chunk c - 1, which only their owner kept.
-                    self.shards.broadcast_boundary(state, c - 1)
+                    # The pass starts from the recurrent records of chunk c - 1, which only their owner kept.
+                    self.shards.broadcast_boundary(state, c - 1, like=last)
                 own = {layer: records[c] for layer, records in state.records.items() if records[c] is not None}
-                # Sharded: every rank runs every chunk, as the attention over the prompt is collective.
+                # Sharded: every rank runs every pass, as the attention over the prompt is collective.
                 if self.shards is not None or any(t.grad is not None for record in own.values() for t in record):
                     ran += 1
-                    p = Pass(state, visible=c, shard=self.shards)
+                    start, end, cp = self._declare(c, bounds)
+                    p = Pass(state, visible=c, shard=self.shards, cp=cp)
                     p.sink = {}
-                    if self.shards is not None:
-                        self.shards.replicated(end - start)
                     with use_pass(p), torch.enable_grad():
                         with self.autocast():
                             hidden = self._backbone()(
@@ -446,22 +505,26 @@ class Engine:
                             # gathered again for backward by a hook on its output, which the records alone never reach.
                             outputs.append(hidden)
                             grads.append(torch.zeros_like(hidden))
-                        for layer, recomputed_record in captured.items():
-                            record = own.get(layer)
-                            for i, recomputed in enumerate(recomputed_record):
-                                kept = None if record is None else record[i]
-                                if kept is not None and kept.grad is not None:
-                                    outputs.append(recomputed)
-                                    grads.append(kept.grad)
-                                elif self.shards is not None and recomputed.requires_grad:
-                                    # Zero seeds for records held elsewhere: every rank back-propagates the same
-                                    # graph, so the collective backward of the sharded attention meets all ranks.
-                                    outputs.append(recomputed)
-                                    grads.append(torch.zeros_like(recomputed))
+                        for layer, recomputed_records in captured.items():
+                            # A context-parallel round captures `{chunk: record}`; a chunk, its own record.
+                            for chunk, recomputed_record in (
+                                recomputed_records if cp else {c: recomputed_records}
+                            ).items():
+                                record = state.records[layer][chunk]
+                                for j, recomputed in enumerate(recomputed_record):
+                                    kept = None if record is None else record[j]
+                                    if kept is not None and kept.grad is not None:
+                                        outputs.append(recomputed)
+                                        grads.append(kept.grad)
+                                    elif self.shards is not None and recomputed.requires_grad:
+                                        # Zero seeds for records held elsewhere: every rank back-propagates the same
+                                        # graph, so the collective backward of the sharded layers meets all ranks.
+                                        outputs.append(recomputed)
+                                        grads.append(torch.zeros_like(recomputed))
                         if outputs:
                             torch.autograd.backward(outputs, grads)
                 for records in state.records.values():
-                    records[c] = None
+                    records[c : last + 1] = [None] * (last + 1 - c)
         self.stats.reverse_s += time.perf_counter() - t0
         return ran
 

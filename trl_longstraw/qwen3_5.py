@@ -57,6 +57,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     l2norm,
 )
 
+from .context_parallel import conv_histories, gather_heads, to_heads, to_tokens
 from .engine import active_pass
 from .generation import DecodePass
 from .kv import KVTail, attention_switched
@@ -348,6 +349,10 @@ def _gated_deltanet_forward(
         # then replaces it in the decode tail.
         history = history.expand(batch, -1, -1)
         initial_state = initial_state.expand(batch, -1, -1, -1)
+    if p.cp is not None:
+        core = _round_core(self, p, projected, a, b, history, initial_state)
+        core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(core.reshape(batch, length, -1))
     mixed_qkv = causal_conv(projected, self.conv1d.weight, self.conv1d.bias, self.activation, history)
 
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -373,6 +378,59 @@ def _gated_deltanet_forward(
     return self.out_proj(core.reshape(batch, length, -1))
 
 
+def _round_core(
+    self: Qwen3_5GatedDeltaNet,
+    p,
+    projected: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    history: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+) -> torch.Tensor:
+    """The conv and delta rule of a context-parallel round (`context_parallel`), head-parallel over the ranks.
+
+    Args:
+        p: the active pass, with its round `p.cp`: this rank holds the `n = p.cp.lengths[rank]` tokens of chunk
+            `p.cp.chunk`.
+        projected: `[1, n, C]` conv inputs; `a`, `b`: `[1, n, Hv]` decay and write-strength inputs.
+        history, initial_state: the record before the round (`[1, C, kernel - 1]`, `[1, Hv, Dk, Dv]` fp32), or None.
+
+    Returns:
+        The delta rule's output `[1, n, Hv, Dv]` for this rank's tokens. Emits `(conv_tail, state)` of every chunk of
+        the round (`Pass.emit_round`) when the pass records.
+    """
+    shards, cp = p.shard, p.cp
+    world, rank, lengths, group = shards.world, shards.rank, cp.lengths, shards.group
+    width = self.conv_kernel_size - 1
+    mine, tails = conv_histories(projected[0], None if history is None else history[0], width, lengths, rank, group)
+    mixed_qkv = causal_conv(projected, self.conv1d.weight, self.conv1d.bias, self.activation, mine[None])
+    n = projected.shape[1]
+    query, key, value = torch.split(mixed_qkv[0], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query = query.reshape(n, -1, self.head_k_dim)
+    key = key.reshape(n, -1, self.head_k_dim)
+    value = value.reshape(n, -1, self.head_v_dim)
+    beta = b[0].sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a[0].float() + self.dt_bias)
+    if self.num_k_heads % world:
+        # Key heads do not split over the ranks: give each value head its own copy, as the rule does anyway.
+        query, key = (x.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1) for x in (query, key))
+    # This rank's heads, for the tokens of every rank of the round (chunk `first + s` from rank s).
+    parts = zip(
+        *(to_heads(x, lengths, group) for x in (query, key, value, g[..., None], beta[..., None])), strict=True
+    )
+    heads = self.num_v_heads // world
+    state = None if initial_state is None else initial_state[:, rank * heads : (rank + 1) * heads]
+    outputs, states = [], []
+    for q_s, k_s, v_s, g_s, beta_s in parts:  # chunk after chunk, as one process runs them
+        out, state = gated_delta_rule(q_s[None], k_s[None], v_s[None], g_s[None, ..., 0], beta_s[None, ..., 0], state)
+        outputs.append(out[0])
+        states.append(state)
+    if p.append or p.sink is not None:
+        whole = gather_heads(torch.cat(states), world, group)  # [W, Hv, Dk, Dv]: the state after each chunk
+        p.emit_round(self.layer_idx, [(tail[None].clone(), whole[s : s + 1]) for s, tail in enumerate(tails)])
+    return to_tokens(outputs, lengths, rank, group)[None]
+
+
 class Qwen3_5Adapter:
     """Records: `(keys, values)` `[1, Hkv, n, D]` per gated-attention layer and chunk; `(conv_tail, state)`
     `[1, C, kernel-1]`, `[1, Hv, Dk, Dv]` fp32 per Gated DeltaNet layer, superseding the earlier ones."""
@@ -381,6 +439,15 @@ class Qwen3_5Adapter:
     # grow with the prompt and are replicated on every rank of a shard group, except the exact-mode chunk boundaries,
     # which stay on their chunk's owner (see docs/distributed.md).
     shards_prompt_state = True
+    # Decoding against a sharded prompt state: attention through `sharding.sharded_decode_attention`; the recurrent
+    # records (qwen3_5) are whole on every rank after a sharded prefill.
+    decodes_sharded = True
+
+    def context_parallel(self, world: int) -> bool:
+        """Whether the prompt passes of a state sharded over `world` ranks can split their tokens (see
+        `context_parallel`): when the DeltaNet value heads split evenly over the ranks (head-parallel delta rule);
+        otherwise every rank runs every chunk."""
+        return all(m.num_v_heads % world == 0 for m in self.deltanets)
 
     def __init__(self, causal_lm: PreTrainedModel):
         if not isinstance(causal_lm.base_model, Qwen3_5TextModel):
