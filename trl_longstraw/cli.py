@@ -16,12 +16,13 @@ import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 from trl import ModelConfig, get_peft_config
 from trl.trainer.utils import create_model_from_path
 
+from . import expert_parallel
 from .config import LongStrawGRPOConfig
 from .recipe import (
     TINY_MODEL_PREFIX,
@@ -230,6 +231,16 @@ def train(
     if training_args.distributed_state.distributed_type != "NO":
         model_init_kwargs["device_map"] = None  # each rank loads the model itself, as in GRPOTrainer
     model_init_kwargs.update(training_args.model_init_kwargs or {})
+    if training_args.expert_parallel_size > 1:
+        # transformers shards the model as it loads it: the experts over expert_parallel_size ranks, the rest FSDP2.
+        # The settings are checked first, so that a wrong one stops the run before the model is read.
+        world = training_args.world_size
+        expert_parallel.check_args(training_args, world)
+        config = AutoConfig.from_pretrained(
+            model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
+        )
+        expert_parallel.check_model_config(config, training_args.expert_parallel_size)
+        model_init_kwargs = expert_parallel.model_init_kwargs(training_args, world, model_init_kwargs)
     check_rope_override(
         model_path,
         model_init_kwargs,
