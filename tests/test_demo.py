@@ -1,8 +1,11 @@
 """The CPU demo learns the task: the supervised warm-up and held-out accuracy of trl_longstraw.warmup, and the
 embedded default of recipes/grpo_long.py raising the held-out needle accuracy at its own prompt length."""
 
+import json
 import random
 import string
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,8 @@ from trl_longstraw.warmup import (
     heldout_accuracy,
     supervised_warmup,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def ragged_rows(n: int, seed: int = 0) -> list[tuple[str, str]]:
@@ -129,3 +134,28 @@ def test_demo_learns_the_needle(tmp_path):
     assert [s for s, _ in curve] == list(range(0, steps + 1, script_args.heldout_steps)), "logged during the run"
     (_, start), (_, end) = curve[0], curve[-1]
     assert end >= start + 0.2, f"held-out needle accuracy {start:.3f} -> {end:.3f}: the demo did not learn"
+
+
+def test_demo_curve_writes_table_curves_and_plot(tmp_path):
+    """benchmarks/demo_curve.py's report from two made-up runs: the command, one row per seed with its GRPO gain."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import demo_curve
+
+    def fake(seed: int, curve: list[float]) -> dict:
+        return {
+            "seed": seed,
+            "heldout": [[10 * i, a] for i, a in enumerate(curve)],
+            "reward": [[1, 0.5]],
+            "train_runtime_s": 42.0,
+            "prompt_tokens": 384,
+            "heldout_prompts": 256,
+            "warmup": "80 steps on 64-token prompts",
+        }
+
+    demo_curve.write([fake(0, [0.25, 0.5, 0.75]), fake(1, [0.5, 0.5, 0.625])], tmp_path, "python demo --seeds 0,1")
+    table = (tmp_path / "DEMO.md").read_text()
+    assert "python demo --seeds 0,1" in table
+    assert "| 0 | 0.250 | 0.500 | 0.750 | +0.500 | 42 s |" in table
+    assert "| 1 | 0.500 | 0.500 | 0.625 | +0.125 | 42 s |" in table
+    assert json.loads((tmp_path / "DEMO.json").read_text())["runs"][1]["heldout"][-1] == [20, 0.625]
+    assert (tmp_path / "plots" / "demo_accuracy.png").stat().st_size > 0
