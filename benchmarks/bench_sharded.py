@@ -5,16 +5,19 @@ ragged lengths (at most C tokens). Three setups, each in fresh processes launche
 
 - `1 process`: the whole micro-batch on one process;
 - `DDP x2`: 2 processes, G/2 completions each, every process prefills and keeps the whole prompt state;
-- `sharded x2`: the same with `shard_prompt_state=True`: each process keeps half of the prompt's chunks, and the
-  prefill and reverse chunks split their prompt attention over the two.
+- `sharded x2`: the same with `shard_prompt_state=True`: each process keeps half of the prompt's chunks and, with
+  context-parallel passes (llama, qwen3_5; see `trl_longstraw/context_parallel.py`), runs half of each prefill and
+  reverse pass's tokens.
 
-Per process (the larger of the two ranks): the step's wall time, the prefill and reverse-pass time, the prompt state
-held (`longstraw/state_gib`), and the growth of the resident set during the step (peak RSS of the step minus RSS
-before it, as `bench_step.py` measures it). Each process runs one torch thread, so the 2-process setups use the 2
-cores of the machine. The driver prints a table with the ratios to `DDP x2` and writes `benchmarks/SHARDED.md`.
+Per process (the larger of the two ranks): the step's wall time and CPU time (`time.process_time`, which machine
+contention does not inflate as it does wall time), the prefill and reverse-pass time, the tokens each decoder layer's
+MLP ran in the step (forward calls, gradient-checkpointing recomputes included), the prompt state held
+(`longstraw/state_gib`), and the growth of the resident set during the step (peak RSS of the step minus RSS before
+it, as `bench_step.py` measures it). Each process runs one torch thread, so the 2-process setups use the 2 cores of
+the machine. The driver prints a table with the ratios to `1 process` and writes `benchmarks/SHARDED.md`.
 
     python benchmarks/bench_sharded.py                       # llama and qwen3_5, P in {8K, 32K}
-    python benchmarks/bench_sharded.py --family llama --P 4096
+    python benchmarks/bench_sharded.py --family llama --P 4096 --setup "1 process" --setup "sharded x2"
 """
 
 from __future__ import annotations
@@ -91,6 +94,13 @@ def worker(args) -> None:
         out["num_items_in_batch"] = mb["num_items_in_batch"]
         return out
 
+    mlp_tokens = [0]
+    layers = trainer.model.get_decoder().layers
+
+    def count(module, inputs):
+        mlp_tokens[0] += inputs[0].shape[0] * inputs[0].shape[1]
+
+    hooks = [layer.mlp.register_forward_pre_hook(count) for layer in layers]
     warm = local(min(args.P, 2 * args.chunk + 1))
     trainer.training_step(model, warm, warm["num_items_in_batch"])
     trainer.model.zero_grad(set_to_none=False)
@@ -99,13 +109,18 @@ def worker(args) -> None:
     if world > 1:
         dist.barrier()
     baseline = _rss()
+    mlp_tokens[0] = 0
     with PeakRSS(baseline, 1 << 62, lambda growth: None) as peak:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trainer.training_step(model, batch, batch["num_items_in_batch"])
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    for hook in hooks:
+        hook.remove()
     metrics = trainer._metrics["train"]
     record = {
         "time_s": seconds,
+        "cpu_s": cpu_seconds,
+        "mlp_tokens": mlp_tokens[0] / len(layers),
         "growth_bytes": peak.peak() - baseline,
         "state_bytes": metrics["longstraw/state_gib"][-1] * GIB,
         "prefill_s": metrics["longstraw/prefill_s"][-1],
@@ -136,33 +151,34 @@ def run(args, model_path: str, family: str, setup: str, p: int) -> dict:
         raise RuntimeError(f"{family} {setup} P={p} failed:\n{(result.stdout + result.stderr)[-3000:]}")
     record = {"family": family, "setup": setup, "P": p, **json.loads(lines[-1][len("RESULT ") :])}
     print(
-        f"{family:8} {setup:11} P={p:>6}: {record['time_s']:7.2f} s, state {record['state_bytes'] / 2**20:8.1f} MiB, "
-        f"step growth {record['growth_bytes'] / 2**20:8.1f} MiB",
+        f"{family:8} {setup:11} P={p:>6}: {record['time_s']:7.2f} s ({record['cpu_s']:7.2f} s CPU), "
+        f"state {record['state_bytes'] / 2**20:8.1f} MiB, step growth {record['growth_bytes'] / 2**20:8.1f} MiB",
         flush=True,
     )
     return record
 
 
-def table(records: list[dict], family: str) -> list[str]:
+def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
     def get(setup, p):
         return next(r for r in records if r["family"] == family and r["setup"] == setup and r["P"] == p)
 
     lines = [
         f"### {family}",
         "",
-        "| P | setup | step s | prefill s | reverse s | prompt state MiB | step RSS growth MiB | state vs DDP x2 "
-        "| growth vs DDP x2 | time vs DDP x2 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| P | setup | step s | step CPU s | prefill s | reverse s | MLP tokens per layer | prompt state MiB "
+        "| step RSS growth MiB | state vs 1 process | growth vs 1 process | time vs 1 process | CPU vs 1 process |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in sorted({r["P"] for r in records if r["family"] == family}):
-        ddp = get("DDP x2", p)
-        for setup in SETUPS:
+        one = get("1 process", p)
+        for setup in setups:
             r = get(setup, p)
             lines.append(
-                f"| {p:,} | {setup} | {r['time_s']:.2f} | {r['prefill_s']:.2f} | {r['reverse_s']:.2f} "
-                f"| {r['state_bytes'] / 2**20:.1f} | {r['growth_bytes'] / 2**20:.1f} "
-                f"| {r['state_bytes'] / ddp['state_bytes']:.2f}x | {r['growth_bytes'] / ddp['growth_bytes']:.2f}x "
-                f"| {r['time_s'] / ddp['time_s']:.2f}x |"
+                f"| {p:,} | {setup} | {r['time_s']:.2f} | {r['cpu_s']:.2f} | {r['prefill_s']:.2f} "
+                f"| {r['reverse_s']:.2f} | {r['mlp_tokens']:,.0f} | {r['state_bytes'] / 2**20:.1f} "
+                f"| {r['growth_bytes'] / 2**20:.1f} | {r['state_bytes'] / one['state_bytes']:.2f}x "
+                f"| {r['growth_bytes'] / one['growth_bytes']:.2f}x | {r['time_s'] / one['time_s']:.2f}x "
+                f"| {r['cpu_s'] / one['cpu_s']:.2f}x |"
             )
     return lines + [""]
 
@@ -177,6 +193,7 @@ def main(argv=None) -> None:
     parser.add_argument("--G", type=int, default=4, help="completions of the prompt (even)")
     parser.add_argument("--C", type=int, default=16, help="longest completion")
     parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size")
+    parser.add_argument("--setup", action="append", choices=list(SETUPS), help="setups (repeatable); default all")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per launch")
     parser.add_argument("--out", default=str(HERE / "SHARDED.md"), help="results file")
     args = parser.parse_args(argv)
@@ -188,26 +205,30 @@ def main(argv=None) -> None:
     from trl_longstraw.testing import save_tiny_model
 
     families = args.family or ["llama", "qwen3_5"]
+    setups = [setup for setup in SETUPS if setup in (args.setup or SETUPS)]
+    if "1 process" not in setups:
+        parser.error("the ratios need the '1 process' setup")
     sizes = args.P or [8192, 32768]
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
             path = str(save_tiny_model(Path(tmp) / family, family))
             for p in sizes:
-                for setup in SETUPS:
+                for setup in setups:
                     records.append(run(args, path, family, setup, p))
     command = "python benchmarks/bench_sharded.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     lines = [
         "# Sharded prompt state on 2 CPU processes",
         "",
         f"Generated by `{command.strip()}` on {datetime.date.today().isoformat()}, {os.cpu_count()} CPU cores, "
-        f"gloo, one torch thread per process. One exact-mode step, one prompt of P tokens, G={args.G} completions "
-        f"(at most {args.C} tokens, ragged), prefill chunks of {args.chunk}, tiny random models "
-        "(`trl_longstraw.testing`). Per process: the larger of the two ranks. See the script's docstring.",
+        f"gloo, one torch thread per process, load average {os.getloadavg()[0]:.1f} at the end (wall times under "
+        "contention are noisy; CPU times are not inflated by it). One exact-mode step, one prompt of P tokens, "
+        f"G={args.G} completions (at most {args.C} tokens, ragged), prefill chunks of {args.chunk}, tiny random "
+        "models (`trl_longstraw.testing`). Per process: the larger of the two ranks. See the script's docstring.",
         "",
     ]
     for family in families:
-        lines += table(records, family)
+        lines += table(records, family, setups)
     Path(args.out).write_text("\n".join(lines))
     (Path(args.out).with_suffix(".json")).write_text(json.dumps(records, indent=1))
     print("\n".join(lines))

@@ -205,8 +205,58 @@ def sharded_attention_errors(rank: int, world: int) -> dict[str, float]:
                         dist.all_reduce(total)
                     if mine[i] is not None:
                         errors[f"{tag}/dprefix{i}.{j}"] = (mine[i][j].grad.double() - total).abs().max().item()
+        errors |= context_parallel_round_errors(rank)
     finally:
         attention.KEY_BLOCK = saved_block
+    return errors
+
+
+def context_parallel_round_errors(rank: int) -> dict[str, float]:
+    """Max abs errors of `sharded_prefix_attention` in a context-parallel round against `prefix_merge_attention` in
+    fp64: in fp64 (portable path) and in fp32 (the fused CPU kernels, keys `fp32/...`).
+
+    Prefix chunks of 5, 4 and 2 keys (on their owners), then a round in which rank 0 runs the next chunk (3 queries)
+    and rank 1 the one after it (5 queries): rank 1's queries see rank 0's keys of the round too. The reference runs
+    both chunks in one process with the loss of both; each rank's query, key and value gradients and each prefix
+    chunk's gradient on its owner must be the reference's.
+    """
+    from trl_longstraw.attention import prefix_merge_attention
+    from trl_longstraw.sharding import PromptShards, sharded_prefix_attention
+
+    errors = {}
+    for dtype in (torch.float64, torch.float32):
+        g = torch.Generator().manual_seed(7)
+
+        def rand(*shape, g=g):
+            return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+        def leaves(*xs, dtype=torch.float64):
+            return [x.detach().clone().to(dtype).requires_grad_() for x in xs]
+
+        lengths = [3, 5]
+        chunks = [(rand(1, 2, n, 8), rand(1, 2, n, 8)) for n in (5, 4, 2)]
+        rows = [(rand(1, 4, t, 8), rand(1, 2, t, 8), rand(1, 2, t, 8), rand(1, 4, t, 8)) for t in lengths]
+        shards = PromptShards(None)
+        shards.cp_round(lengths)
+        mine = [leaves(*c, dtype=dtype) if shards.owner(i) == rank else None for i, c in enumerate(chunks)]
+        ours = leaves(*rows[rank][:3], dtype=dtype)
+        out = sharded_prefix_attention(*ours, mine, 0.3, shards)
+        out.backward(rows[rank][3].to(dtype))
+        whole = [leaves(*c) for c in chunks]
+        ref = [leaves(*row[:3]) for row in rows]
+        expected = [
+            prefix_merge_attention(*ref[0], whole, 0.3),
+            prefix_merge_attention(*ref[1], whole + [tuple(ref[0][1:])], 0.3),
+        ]
+        sum((e * row[3]).sum() for e, row in zip(expected, rows, strict=True)).backward()
+        tag = "fp32/round" if dtype == torch.float32 else "round"
+        errors[f"{tag}/out"] = (out.double() - expected[rank]).abs().max().item()
+        for name, a, b in zip("qkv", ours, ref[rank], strict=True):
+            errors[f"{tag}/d{name}"] = (a.grad.double() - b.grad).abs().max().item()
+        for i, pair in enumerate(whole):
+            for j, x in enumerate(pair):
+                if mine[i] is not None:
+                    errors[f"{tag}/dprefix{i}.{j}"] = (mine[i][j].grad.double() - x.grad).abs().max().item()
     return errors
 
 
@@ -412,7 +462,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     trainer._prepare_inputs = lambda x: x
     trainer.current_gradient_accumulation_steps = 1
     count_collectives(log)
-    results: dict = {"collectives": {}, "state_bytes": {}, "others_gathered": {}}
+    results: dict = {"collectives": {}, "state_bytes": {}, "gathered": {}}
     attention_errors = sharded_attention_errors(rank, world) | sharded_dsa_errors(rank, world)
     boundary_broadcast = boundary_broadcast_problems(rank)
 
@@ -462,27 +512,44 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
     assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
-    # While a decoder layer runs without autograd (prefill), how many other decoder layers hold gathered parameters:
-    # all of them when the engine gathers once per call, none when FSDP2 gathers pass by pass.
-    others_gathered: list[int] = []
+    # Whenever FSDP2 gathers a parameter group (an unshard, a prefetch included, or the wait that completes one), how
+    # many decoder layers are gathered or being gathered, and how many hold their unsharded (plain tensor, not
+    # DTensor) parameters: at most the running layer and one prefetched when FSDP2 gathers pass by pass, every layer
+    # when the engine gathers once per call.
+    gathered: list[tuple[int, int]] = []
+    layer_groups = [_param_groups_of(layer) for layer in fsdp.model.layers]
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    def watch(module, args):
-        if not torch.is_grad_enabled():
-            others = [layer for layer in fsdp.model.layers if layer is not module]
-            others_gathered.append(sum(g.is_unsharded for layer in others for g in _param_groups_of(layer)))
+    def probed(fn):
+        def wrapper(self, *args, **kwargs):
+            out = fn(self, *args, **kwargs)
+            held = sum(any(g.is_unsharded or g._all_gather_result is not None for g in gs) for gs in layer_groups)
+            plain = sum(not isinstance(next(layer.parameters()), DTensor) for layer in fsdp.model.layers)
+            gathered.append((held, plain))
+            return out
 
-    for layer in fsdp.model.layers:
-        layer.register_forward_pre_hook(watch)
+        return wrapper
+
+    FSDPParamGroup.unshard = probed(FSDPParamGroup.unshard)
+    FSDPParamGroup.wait_for_unshard = probed(FSDPParamGroup.wait_for_unshard)
+
+    def most_gathered() -> tuple[int, int, int]:
+        """`(probes, most layers gathered or gathering, most layers with unsharded parameters)` since the last call."""
+        probes = (len(gathered), max(h for h, _ in gathered), max(p for _, p in gathered))
+        gathered.clear()
+        return probes
+
     for name, mode, micro_batches in [("fsdp2_exact", "exact", "AB"), ("fsdp2_detached", "detached", "B")]:
         start = len(log)
         fsdp.zero_grad(set_to_none=True)
+        gathered.clear()
         for i, key in enumerate(micro_batches):
             fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
             step(fsdp, batches[key], mode)
         results[name] = full_grads(fsdp)
         results["collectives"][name] = log[start:]
+        results["gathered"][name] = most_gathered()
         assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
-    results["others_gathered"]["fsdp2"] = max(others_gathered)
 
     # Sharded prompt state (over DDP).
     set_sharded(True)
@@ -512,14 +579,14 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     start = len(log)
     fsdp.zero_grad(set_to_none=True)
     fsdp.set_requires_gradient_sync(True)
-    others_gathered.clear()
+    gathered.clear()
     # With non-reentrant checkpointing, as the recipes run FSDP2: recomputed layers are gathered again by FSDP2.
     fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     step(fsdp, batches["S"], "exact")
     fsdp.gradient_checkpointing_disable()
     results["fsdp2_sharded_exact"] = full_grads(fsdp)
     results["collectives"]["fsdp2_sharded_exact"] = log[start:]
-    results["others_gathered"]["fsdp2_sharded_exact"] = max(others_gathered)
+    results["gathered"]["fsdp2_sharded_exact"] = most_gathered()
     # An idle rank: nothing to back-propagate on rank 1 (micro-batch C, beta = 0), sharded or not.
     trainer.beta = 0.0
     for name, model, sharded in [
@@ -530,9 +597,12 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         set_sharded(sharded)
         start = len(log)
         model.zero_grad(set_to_none=True)
+        gathered.clear()
         step(model, batches["C"], "exact")
         results[name] = full_grads(model.module if model is ddp else model)
         results["collectives"][name] = log[start:]
+        if model is fsdp:
+            results["gathered"][name] = most_gathered()
     trainer.beta = config.beta
     set_sharded(True)
     engine = trainer._engine(ddp)
@@ -542,7 +612,8 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     with torch.no_grad():
         logps, _ = engine.score(*scored)
     results["state_bytes"]["sharded"] = engine.stats.state_bytes
-    # An exact-mode prefill of the longest prompt of `S` (3 chunks): which chunks' recurrent records this rank holds.
+    # An exact-mode prefill of the longest prompt of `S` (12 prefix tokens): the chunks whose recurrent records this
+    # rank holds.
     longest = max(group_prompts(local["prompt_ids"], local["prompt_mask"]), key=lambda g: g.tokens.shape[0])
     state = engine.prefill(longest, boundaries=True)
     held = {layer: [c for c, r in enumerate(state.records[layer]) if r is not None] for layer in state.recurrent}
@@ -562,7 +633,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         attention_errors,
         held,
         boundary_broadcast,
-        results["others_gathered"],
+        results["gathered"],
     )
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -572,7 +643,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["attention_errors"] = [e[3] for e in everyone]
         results["boundaries"] = [e[4] for e in everyone]
         results["boundary_broadcast"] = [e[5] for e in everyone]
-        results["others_gathered"] = [e[6] for e in everyone]
+        results["gathered"] = [e[6] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

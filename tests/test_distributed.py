@@ -22,12 +22,15 @@ from transformers import AutoConfig
 
 from trl_longstraw import LongStrawGRPOTrainer
 from trl_longstraw.sharding import shard_group_size
-from trl_longstraw.testing import build_tokenizer
+from trl_longstraw.testing import build_tokenizer, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
+# Families whose sharded prompt passes split their tokens over the ranks (`context_parallel`); glm_moe_dsa's run
+# every chunk on every rank.
+CONTEXT_PARALLEL = ("llama", "qwen3_5")
 # Seconds for the whole 2-process launch; ~35 s on 2 busy cores.
 LAUNCH_TIMEOUT = 400
 # Scenario of the worker -> its single-process reference.
@@ -55,8 +58,11 @@ def _reward(completions, **kwargs):
 def launch(request, tiny_model_path, tmp_path_factory):
     """Runs the worker on 2 processes; returns `(family, model path, batches, results, return code, output)`."""
     family = request.param
-    path = tiny_model_path(family)
     tmp = tmp_path_factory.mktemp(f"dist-{family}")
+    # At least 3 decoder layers, so that holding 2 (one running, one prefetched) is not holding them all.
+    path = tiny_model_path(family)
+    if AutoConfig.from_pretrained(path).num_hidden_layers < 3:
+        path = save_tiny_model(tmp / "model", family, num_hidden_layers=4)
     batches = make_batches(len(build_tokenizer()))
     torch.save(batches, tmp / "batches.pt")
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -159,7 +165,9 @@ def test_sharded_logps_match(launch, reference):
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_sharded_state_is_split(launch):
-    """Rank 0 holds chunks 0 and 2 (7 of the 12 prefix tokens of the longest prompt), rank 1 chunk 1 (5 tokens).
+    """Of the 12 prefix tokens of the longest prompt in chunks of 5: with context-parallel passes (llama, qwen3_5)
+    the rounds are chunks (5, 5) then (1, 1), so each rank holds 6 tokens' records; replicated passes (glm_moe_dsa)
+    run chunks of 5, 5 and 2, and rank 0 holds chunks 0 and 2 (7 tokens), rank 1 chunk 1 (5 tokens).
 
     Scoring keeps no chunk boundaries, so the one recurrent record per layer (qwen3_5's Gated DeltaNet) is the final
     one, which every rank keeps: `fixed` bytes on both ranks; the other families keep per-token records only
@@ -171,19 +179,26 @@ def test_sharded_state_is_split(launch):
     assert unsharded == rank1["unsharded"] > 0
     fixed = rank0["sharded"] + rank1["sharded"] - unsharded
     assert (0 < fixed < unsharded) if launch[0] == "qwen3_5" else (fixed == 0)
-    assert (rank0["sharded"] - fixed) * 12 == (unsharded - fixed) * 7
-    assert (rank1["sharded"] - fixed) * 12 == (unsharded - fixed) * 5
+    mine = (6, 6) if launch[0] in CONTEXT_PARALLEL else (7, 5)
+    assert (rank0["sharded"] - fixed) * 12 == (unsharded - fixed) * mine[0]
+    assert (rank1["sharded"] - fixed) * 12 == (unsharded - fixed) * mine[1]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-def test_fsdp2_per_pass_under_sharded_state(launch):
-    """With the prompt state sharded over every rank (lockstep), FSDP2 gathers each layer for its pass and frees it:
-    while a layer runs the prefill, no other decoder layer is gathered. Without it, the engine gathers every layer
-    once per call (all others gathered), so the probe tells the two apart."""
+@pytest.mark.parametrize("scenario", ["fsdp2_exact", "fsdp2_detached", "fsdp2_idle_rank", "fsdp2_sharded_exact"])
+def test_fsdp2_gathers_layer_by_layer(launch, scenario):
+    """FSDP2 really shards, and gathers each decoder layer for its pass and frees it: whenever it gathers a parameter
+    group, at most 2 of the model's 3 or 4 decoder layers (the running one and one prefetched) are gathered or being
+    gathered, and at most 2 hold unsharded parameters (the others are DTensor shards). Both in the data-parallel
+    lockstep (uneven prompts, chunks and completions per rank; an idle rank) and with the prompt state sharded
+    over every rank; the engine's former once-per-call gathering would hold every layer."""
     results = _results(launch)
-    for per_rank in results["others_gathered"]:
-        assert per_rank["fsdp2"] >= 1
-        assert per_rank["fsdp2_sharded_exact"] == 0
+    layers = AutoConfig.from_pretrained(launch[1]).num_hidden_layers
+    assert layers >= 3
+    for rank, per_rank in enumerate(results["gathered"]):
+        probes, held, unsharded = per_rank[scenario]
+        assert probes > 0, f"rank {rank}: FSDP2 gathered nothing"
+        assert held <= 2 and unsharded <= 2, f"rank {rank}: {held} layers gathered, {unsharded} unsharded of {layers}"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
@@ -201,8 +216,9 @@ def test_offloaded_boundaries_identical_sharded(launch):
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_sharded_boundaries_follow_chunk_owners(launch):
-    """Exact mode keeps chunk boundaries: after the prefill of a 3-chunk prompt, each recurrent layer's records of
-    chunks 0 and 1 are on their owners only (rank 0 and rank 1), and the final one (chunk 2) is on both ranks."""
+    """Exact mode keeps chunk boundaries: after the prefill of the 12-token prefix (chunks of 5, 5, 1, 1 in two
+    context-parallel rounds), each recurrent layer's records of chunks 0 to 2 are on their owners only (chunk c on
+    rank c % 2), and the final one (chunk 3) is on both ranks."""
     results = _results(launch)
     family, path = launch[:2]
     layer_types = AutoConfig.from_pretrained(path).layer_types if family == "qwen3_5" else []
@@ -210,7 +226,7 @@ def test_sharded_boundaries_follow_chunk_owners(launch):
     for rank, held in enumerate(results["boundaries"]):
         assert set(held) == deltanets
         for layer, chunks in held.items():
-            assert chunks == [rank, 2], f"rank {rank}, layer {layer}: holds the records of chunks {chunks}"
+            assert chunks == ([0, 2, 3] if rank == 0 else [1, 3]), f"rank {rank}, layer {layer}: holds {chunks}"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
@@ -254,9 +270,10 @@ def test_collectives_equal_across_ranks(launch, scenario):
         assert {"all_gather_single", "reduce_scatter_single"} <= names
     if "sharded" in scenario:
         assert {"all_gather_into_tensor", "all_to_all_single"} <= names
-    # The exact-mode reverse pass broadcasts the recurrent boundary at the start of every chunk but the first, from its
-    # owner: one fp32 buffer per chunk transition. `S` has prompts of 3 and 2 chunks, `C` two of 2 chunks.
-    transitions = {"sharded_exact": 3, "fsdp2_sharded_exact": 3, "offload_sharded_exact": 3, "sharded_idle_rank": 2}
+    # The exact-mode reverse pass broadcasts the recurrent boundary at the start of every context-parallel round but
+    # the first, from its owner: one fp32 buffer per round transition. In `S`, the prefix of 12 tokens runs in two
+    # rounds (chunks of 5, 5, then 1, 1), that of 6 in one (3, 3); in `C`, 10 and 7 tokens in one round each.
+    transitions = {"sharded_exact": 1, "fsdp2_sharded_exact": 1, "offload_sharded_exact": 1}
     expected = transitions.get(scenario, 0) if launch[0] == "qwen3_5" else 0
     assert [name for name, _ in rank0].count("broadcast") == expected
 

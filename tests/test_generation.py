@@ -4,6 +4,7 @@ import pytest
 import torch
 from grpo_pair import PROMPTS, generation_inputs, make_pair
 from peft import LoraConfig
+from tolerances import LOGP_ATOL
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from trl_longstraw.generation import generation_config_for_decoder, shared_prompt_decoder
@@ -32,6 +33,93 @@ def test_greedy_completions_equal_stock(tiny_model_path, family, pad_to_multiple
     lengths = {len(c) for c in got}
     assert 1 in lengths and 9 in lengths, "the prompts should cover EOS at once and no EOS at all"
     assert any(c[-1] == stock.eos_token_ids[0] and len(c) > 1 for c in got), "and EOS midway"
+
+
+class Recorder(LogitsProcessor):
+    """Records the processed scores of every step; changes nothing."""
+
+    def __init__(self):
+        self.scores = []
+
+    def __call__(self, input_ids, scores):
+        self.scores.append(scores.clone())
+        return scores
+
+
+def stock_and_ours(trainer, text: str, pad: int, rows: int, seed: int = 123, **settings):
+    """`generate` on `rows` copies of `text` left-padded by `pad`, with stock's `_sample` loop and with the
+    shared-prompt decoder, from the same seed. Returns per loop the output ids `[rows, width + T]` and the processed
+    scores `[rows, V]` of every step."""
+    model = trainer.model
+    prompt = trainer.processing_class(text=text)["input_ids"]
+    ids = torch.tensor([[0] * pad + prompt] * rows)
+    mask = torch.tensor([[0] * pad + [1] * len(prompt)] * rows)
+    config = GenerationConfig(pad_token_id=0, eos_token_id=[1], disable_compile=True, **settings)
+    outputs = []
+    for custom in (None, shared_prompt_decoder(trainer._engine(model), torch.tensor(prompt))):
+        recorder = Recorder()
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=generation_config_for_decoder(config) if custom else config,
+                logits_processor=LogitsProcessorList([recorder]),
+                custom_generate=custom,
+            )
+        outputs.append((out, recorder.scores))
+    return outputs
+
+
+def assert_same_steps(stock, ours) -> None:
+    """Same tokens, and at every step the same processed distribution (log-probs within LOGP_ATOL)."""
+    (stock_out, stock_scores), (our_out, our_scores) = stock, ours
+    assert torch.equal(our_out, stock_out)
+    assert len(our_scores) == len(stock_scores) > 0
+    for a, b in zip(stock_scores, our_scores, strict=True):
+        torch.testing.assert_close(b.log_softmax(-1), a.log_softmax(-1), atol=LOGP_ATOL, rtol=0)
+
+
+# Prompts of 1 to 11 tokens: left-padded by different amounts, most longer than one prefill chunk (3, which divides
+# none of them), one with no prefix at all.
+LONG_ROWS = ["a b c d e f g h i j k", "x", "h i j k l m n", "a b c d e f g h i j k", "key value is 3", "x"]
+
+
+def capture_prompt_states(engine) -> list:
+    """Wraps `engine.prefill` to keep each prompt state it returns, with a copy of its tensors at that time."""
+    states, prefill = [], engine.prefill
+
+    def recording(*args, **kwargs):
+        state = prefill(*args, **kwargs)
+        states.append((state, [t.clone() for t in state.tensors()]))
+        return state
+
+    engine.prefill = recording
+    return states
+
+
+@pytest.mark.parametrize("family", ["qwen3_5"])
+def test_greedy_decoding_against_the_prompt_state_equals_stock(tiny_model_path, family):
+    """Greedy completions equal transformers' `generate` token for token, and decoding never writes the prompt
+    state: each row starts from its records (Gated DeltaNet: the final conv tail and recurrent state) and keeps
+    its own."""
+    settings = dict(generation_kwargs=GREEDY, max_completion_length=8, longstraw={"prefill_chunk_size": 3})
+    stock, ours = make_pair(tiny_model_path(family), **settings)
+    assert ours._shared_generation
+    ids = tokenize(stock, LONG_ROWS)
+    states = capture_prompt_states(ours._engine(ours.model))
+    expected, _ = stock._generate_single_turn(ids, None, {}, 2)
+    got, _ = ours._generate_single_turn(ids, None, {}, 2)
+    assert got == expected
+    assert len(states) == len({tuple(p) for p in ids}), "one prefill per distinct prompt"
+    assert max(state.num_chunks for state, _ in states) > 1
+    for state, before in states:
+        after = list(state.tensors())
+        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert len({len(c) for c in got}) > 1, "completions of different lengths (EOS midway)"
+    # Step by step: the decoded distribution is stock's, not only its argmax.
+    steps = stock_and_ours(ours, LONG_ROWS[0], pad=3, rows=2, max_new_tokens=6, do_sample=False)
+    assert_same_steps(*steps)
 
 
 def test_greedy_with_repetition_penalty_equals_stock(tiny_model_path):
@@ -69,17 +157,6 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model_path):
     assert stock_calls[0] == len(ROWS) * max(len(p) for p in groups)
 
 
-class Recorder(LogitsProcessor):
-    """Records the processed scores of every step; changes nothing."""
-
-    def __init__(self):
-        self.scores = []
-
-    def __call__(self, input_ids, scores):
-        self.scores.append(scores.clone())
-        return scores
-
-
 SAMPLING = [
     {"temperature": 0.7},
     {"temperature": 1.3, "top_k": 5},
@@ -88,39 +165,19 @@ SAMPLING = [
 ]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 @pytest.mark.parametrize("settings", SAMPLING)
-def test_sampling_is_stocks_sampler(tiny_model_path, settings):
+def test_sampling_is_stocks_sampler(tiny_model_path, family, settings):
     """Same rows and seed: stock's `_sample` and the shared-prompt decoder draw the same tokens, step by step from
     the same processed distribution (temperature, top-k, top-p, min-p, repetition penalty, EOS then padding)."""
-    _, ours = make_pair(tiny_model_path("llama"))
-    model = ours.model
-    prompt = ours.processing_class(text="h i j k l m n")["input_ids"]
-    width = len(prompt) + 2  # left padding, as in a batch with a longer prompt
-    rows = torch.tensor([[0, 0] + prompt] * 5)
-    mask = torch.tensor([[0, 0] + [1] * len(prompt)] * 5)
-    config = GenerationConfig(
-        max_new_tokens=12, do_sample=True, pad_token_id=0, eos_token_id=[1], disable_compile=True, **settings
+    _, ours = make_pair(tiny_model_path(family))
+    stock_run, our_run = stock_and_ours(
+        ours, "h i j k l m n", pad=2, rows=5, max_new_tokens=12, do_sample=True, **settings
     )
-    outputs = []
-    for custom in (None, shared_prompt_decoder(ours._engine(model), torch.tensor(prompt))):
-        recorder = Recorder()
-        torch.manual_seed(123)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=rows,
-                attention_mask=mask,
-                generation_config=generation_config_for_decoder(config) if custom else config,
-                logits_processor=LogitsProcessorList([recorder]),
-                custom_generate=custom,
-            )
-        outputs.append((out, recorder.scores))
-    (stock_out, stock_scores), (our_out, our_scores) = outputs
-    assert torch.equal(our_out, stock_out)
-    assert len(our_scores) == len(stock_scores) == stock_out.shape[1] - width
-    for a, b in zip(stock_scores, our_scores, strict=True):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert_same_steps(stock_run, our_run)
     # The five rows share one prompt but not their samples.
-    assert len({tuple(r) for r in our_out[:, width:].tolist()}) > 1
+    width = 2 + len(ours.processing_class(text="h i j k l m n")["input_ids"])
+    assert len({tuple(r) for r in our_run[0][:, width:].tolist()}) > 1
 
 
 def test_sampled_batch_has_stocks_shapes_and_masks(tiny_model_path):

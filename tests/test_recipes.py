@@ -17,6 +17,7 @@ from trl_longstraw.hub import (
     config_from_dict,
     config_to_dict,
     export,
+    installed_launch_command,
     launch_command,
     load_config,
     main,
@@ -237,14 +238,25 @@ def front_matter(card: str) -> dict:
 def test_hub_export_folder(tmp_path, name):
     source = ROOT / "recipes" / "configs" / name
     out = export(source, tmp_path / "hub")
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "config.yaml"]
+    launch = launch_command(source.read_text())
+    accelerate = ["accelerate.yaml"] if "--config_file" in launch else []
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", *accelerate, "config.json", "config.yaml"]
+    if accelerate:
+        named = launch.split("--config_file ")[1].split()[0]
+        assert (out / "accelerate.yaml").read_text() == (ROOT / named).read_text()
     assert (out / "config.yaml").read_text() == source.read_text()
     assert json.loads((out / "config.json").read_text()) == yaml.safe_load(source.read_text())
     card = (out / "README.md").read_text()
     meta = front_matter(card)
     assert meta["library_name"] == "trl"
     assert set(CARD_TAGS) <= set(meta["tags"]) and set(CARD_TAGS) == {"trl", "grpo", "longstraw"}
-    assert launch_command(source.read_text()) in card
+    assert launch in card
+    # The card launches the installed command on the downloaded files, not a checkout's paths.
+    installed = installed_launch_command(
+        source.read_text(), f"{source.stem}/config.yaml", f"{source.stem}/accelerate.yaml" if accelerate else None
+    )
+    assert "pip install trl_longstraw" in card and f"\n{installed}\n" in card
+    assert "recipes/" not in installed and "trl_longstraw.cli grpo" in installed
     mapping = yaml.safe_load(source.read_text())
     if not mapping["model_name_or_path"].startswith("longstraw/"):
         assert meta["base_model"] == mapping["model_name_or_path"]
@@ -270,6 +282,34 @@ def test_hub_export_refuses_a_config_without_launch_line(tmp_path):
 def test_launch_command_joins_continuation_lines():
     text = "# Launch: accelerate launch \\\n#   --num_processes 8 \\\n#   recipes/grpo_long.py\n# other\nkey: 1\n"
     assert launch_command(text) == "accelerate launch --num_processes 8 recipes/grpo_long.py"
+
+
+@pytest.mark.parametrize(
+    ("launch", "installed"),
+    [
+        (
+            "python recipes/grpo_long.py --config a/b.yaml --max_steps 2",
+            "trl-longstraw grpo --config c.yaml --max_steps 2",
+        ),
+        ("recipes/grpo_long.py --config a/b.yaml", "trl-longstraw grpo --config c.yaml"),
+        (
+            "accelerate launch --config_file recipes/accelerate/fsdp2.yaml --num_processes 8 recipes/grpo_long.py \\\n"
+            "#   --config a/b.yaml",
+            "accelerate launch --config_file d.yaml --num_processes 8 -m trl_longstraw.cli grpo --config c.yaml",
+        ),
+        (
+            "torchrun --nproc_per_node 2 recipes/grpo_long.py --config a/b.yaml",
+            "torchrun --nproc_per_node 2 -m trl_longstraw.cli grpo --config c.yaml",
+        ),
+    ],
+)
+def test_installed_launch_command(launch, installed):
+    assert installed_launch_command(f"# Launch: {launch}\nkey: 1\n", "c.yaml", "d.yaml") == installed
+
+
+def test_installed_launch_command_needs_the_recipe_and_its_config():
+    with pytest.raises(ValueError, match="recipes/grpo_long.py --config"):
+        installed_launch_command("# Launch: python train.py --config a.yaml\n", "c.yaml")
 
 
 # ------------------------------------------------------------------------------------------------ dry run

@@ -43,6 +43,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             the reverse pass) in host memory, pinned on CUDA, and bring each back one chunk ahead of the reverse pass
             on a side stream. Gradients are identical; device memory drops by one recurrent state per chunk (147 MiB
             per chunk on Qwen3.6-27B). Models without recurrent layers keep no boundaries and are unaffected.
+        expert_parallel_size (`int`, *optional*, defaults to `1`):
+            MoE models (`glm_moe_dsa`, `qwen3_moe`): spread each MoE layer's experts over groups of this many ranks
+            through transformers' expert parallelism (`DistributedConfig(ep_size=...)`, the model's
+            `base_model_ep_plan`, all-to-all token exchange); every other parameter is sharded by FSDP2 over all
+            processes. Experts are never all-gathered. Needs `shard_prompt_state=True` over all processes (the
+            lockstep the experts' collectives need), must divide the number of processes and of experts, and
+            checkpoints need `save_only_model=True`. `1`: off. See `trl_longstraw/expert_parallel.py`.
         on_nonfinite (`str`, *optional*, defaults to `"raise"`):
             What a micro-batch whose per-token log-probs, entropies, loss or loss gradient are NaN or infinite does,
             checked before anything is back-propagated into the parameters. `"raise"`: stop with a `FloatingPointError`
@@ -109,6 +116,14 @@ class LongStrawGRPOConfig(GRPOConfig):
             "the reverse pass, prefetched one chunk ahead. Identical gradients, less device memory."
         },
     )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "MoE models: spread each MoE layer's experts over groups of this many ranks with transformers' "
+            "expert parallelism (ep_size, all-to-all), the rest sharded by FSDP2. Needs shard_prompt_state=True over "
+            "all processes and save_only_model=True for checkpoints. 1: off."
+        },
+    )
     on_nonfinite: str = field(
         default="raise",
         metadata={
@@ -141,6 +156,11 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"prompt_shard_group_size={self.prompt_shard_group_size!r} must be 0 (all processes) or a positive "
                 "number of ranks that divides the number of processes."
+            )
+        ep = self.expert_parallel_size
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(
+                f"expert_parallel_size={ep!r} must be a positive number of ranks (1 turns expert parallelism off)."
             )
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(

@@ -25,14 +25,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .distributed import branch_model, finish_ddp, fsdp2_gathered, fsdp2_root
+from .context_parallel import CPRound, plan_rounds
+from .distributed import agree_pass_counts, branch_model, finish_ddp, fsdp2_gathered, fsdp2_root
 from .offload import HostBoundaries
 from .rope import RotaryPin
 
@@ -80,10 +81,13 @@ class PromptState:
 class Pass:
     """What the patched layers may read and where their new records go, for one forward."""
 
-    def __init__(self, state: PromptState, visible: int, append: bool = False, shard=None):
+    def __init__(self, state: PromptState, visible: int, append: bool = False, shard=None, cp=None):
         self.state = state
         self.visible = visible
         self.append = append
+        # `context_parallel.CPRound` in a context-parallel round of a sharded state: this rank runs chunk `cp.chunk`
+        # (`visible == cp.first`), and the reverse pass's `sink` maps each layer to `{chunk: record}`.
+        self.cp = cp
         # `sharding.PromptShards` when the prompt state is sharded across ranks: attention over the prompt is then
         # collective (`sharding.sharded_prefix_attention`) and `read` returns None for chunks held elsewhere.
         self.shard = shard
@@ -119,6 +123,19 @@ class Pass:
             ValueError: on every rank, when a superseding record of a sharded state with boundaries changes shapes or
                 dtypes from one chunk to the next.
         """
+        if self.cp is not None:
+            if supersedes or not sharded:
+                raise RuntimeError(
+                    f"layer {layer_idx}: a context-parallel round takes sharded records from `emit` and superseding "
+                    "ones from `emit_round`"
+                )
+            if self.append:
+                records = self.state.records.setdefault(layer_idx, [])
+                for chunk in self.cp.chunks:
+                    records.append(tuple(t.detach() for t in record) if chunk == self.cp.chunk else None)
+            elif self.sink is not None:
+                self.sink[layer_idx] = {self.cp.chunk: record}
+            return
         if self.append:
             records = self.state.records.setdefault(layer_idx, [])
             if supersedes:
@@ -131,6 +148,22 @@ class Pass:
             records.append(tuple(t.detach() for t in record) if held else None)
         elif self.sink is not None:
             self.sink[layer_idx] = record
+
+    def emit_round(self, layer_idx: int, records: list[tuple[torch.Tensor, ...]]) -> None:
+        """Receives, in a context-parallel round, the superseding records of every chunk of the round from layer
+        `layer_idx` (a recurrent layer, which computes them for all the round's chunks on every rank), in chunk order.
+
+        Each is taken as `emit(layer_idx, record, supersedes=True)` takes the record of a chunk in a replicated pass.
+        """
+        if self.append:
+            cp, self.cp = self.cp, None
+            try:
+                for record in records:
+                    self.emit(layer_idx, record, supersedes=True)
+            finally:
+                self.cp = cp
+        elif self.sink is not None:
+            self.sink[layer_idx] = dict(zip(self.cp.chunks, records, strict=True))
 
     def _drop_unowned_boundary(
         self, layer_idx: int, records: list[tuple[torch.Tensor, ...] | None], record: tuple[torch.Tensor, ...]
@@ -240,6 +273,26 @@ def pack_rows(rows: list[int], lengths: list[int], budget: int) -> list[list[int
     return batches
 
 
+# Kinds of engine passes, in the order a prompt runs them: FSDP2 issues the same collectives for every pass of a kind.
+PREFILL, BRANCH, REVERSE = range(3)
+
+
+@dataclass
+class Slot:
+    """One prompt of an engine call, in the order of `Engine._schedule`.
+
+    Attributes:
+        group: the prompt; None on a rank that has no prompt left in the data-parallel lockstep (fillers only).
+        rows: its branch rows; `None` is a zero-weight filler branch (sharded lockstep, one branch per round).
+        passes: data-parallel lockstep only: how many passes of each kind (`PREFILL`, `BRANCH`, `REVERSE`) every rank
+            runs for this slot, its own first, then fillers (`Engine._pad`).
+    """
+
+    group: PromptGroup | None
+    rows: Iterable[int | None]
+    passes: tuple[int, int, int] | None = None
+
+
 @dataclass
 class StepStats:
     """Timings and sizes of the engine work since the last reset, for logging."""
@@ -259,8 +312,10 @@ class Engine:
 
     Args:
         model: what is called for a branch: the (possibly wrapped) causal LM with TRL's fused LM head. Under DDP
-            the module inside the wrapper is called instead, and under FSDP2 every pass runs on parameters gathered
-            once per call (see `distributed`).
+            the module inside the wrapper is called instead. Under FSDP2 the ranks run the same passes (the sharded
+            state's lockstep, or the data-parallel one: see `lockstep`), so FSDP2 gathers and frees the layers pass
+            by pass; with shard groups smaller than the world, every pass runs on parameters gathered once per call
+            (see `distributed`).
         causal_lm: the unwrapped `PreTrainedModel` under `model` (PEFT layers in place, if any).
         adapter: the architecture adapter of `causal_lm`.
         chunk_size: prompt tokens per prefill (and reverse) chunk.
@@ -292,10 +347,17 @@ class Engine:
         self.chunk_size = chunk_size
         self.progress = progress
         self.shards = shards
-        # A prompt state sharded over every process runs all ranks in lockstep, so FSDP2 can gather and free the
-        # parameters pass by pass instead of holding them all (`distributed.fsdp2_gathered`).
-        lockstep = shards is not None and shards.world == dist.get_world_size()
-        self.fsdp_per_pass = lockstep and fsdp2_root(model) is not None
+        # FSDP2 gathers and frees the parameters pass by pass (`distributed.fsdp2_gathered`) when every rank runs the
+        # same passes: a prompt state sharded over every process runs them in lockstep; without a sharded state (data
+        # parallelism), the ranks agree on the number of passes of each kind per prompt and pad theirs with fillers
+        # (`lockstep`). Shard groups smaller than the world run different passes: FSDP2 then gathers once per call.
+        fsdp = fsdp2_root(model) is not None
+        self.lockstep = fsdp and shards is None
+        self.fsdp_per_pass = fsdp and (shards is None or shards.world == dist.get_world_size())
+        # Context parallelism (`context_parallel`): the ranks of a shard group split each prefill and reverse pass's
+        # tokens, for adapters whose token mixers support it at this group size; the others replicate the passes.
+        supports = getattr(adapter, "context_parallel", None)
+        self.context_parallel = shards is not None and supports is not None and supports(shards.world)
         self.stats = StepStats()
         # Per-call RoPE (dynamic, longrope): each call of `score` and `backward` rotates with the frequencies of
         # stock's one forward over its P + C positions.
@@ -318,6 +380,24 @@ class Engine:
     def _positions(self, start: int, n: int, device) -> torch.Tensor:
         return torch.arange(start, start + n, device=device)[None]
 
+    def _passes(self, n: int) -> list[list[tuple[int, int]]]:
+        """The passes over a prompt prefix of `n` tokens: `[(start, end)]` for a chunk that every rank runs, or one
+        `(start, end)` per rank for a context-parallel round (`context_parallel.plan_rounds`)."""
+        if self.context_parallel:
+            return plan_rounds(n, self.chunk_size, self.shards.world)
+        return [[chunk] for chunk in self._chunks(n)]
+
+    def _declare(self, first: int, bounds: list[tuple[int, int]]) -> tuple[int, int, CPRound | None]:
+        """Declares the pass over `bounds`, whose first chunk is chunk `first`, to the shards; returns this rank's
+        `(start, end)` and the context-parallel round, if any."""
+        if len(bounds) == 1:
+            if self.shards is not None:
+                self.shards.replicated(bounds[0][1] - bounds[0][0])
+            return *bounds[0], None
+        cp = CPRound(first, [end - start for start, end in bounds], self.shards.rank)
+        self.shards.cp_round(cp.lengths)
+        return *bounds[cp.rank], cp
+
     def prefill(
         self, group: PromptGroup, keep: bool = False, reuse: bool = False, boundaries: bool = False
     ) -> PromptState:
@@ -328,9 +408,8 @@ class Engine:
         micro-batch, so a state is never reused across a weight update or an adapter switch. With `boundaries`,
         recurrent layers keep their state at every chunk boundary, as the exact-mode reverse pass needs.
         """
-        key = (group.pad, group.tokens.cpu().numpy().tobytes())
-        kept = self._kept
-        if reuse and kept is not None and kept[0] == key and (kept[1].boundaries or not boundaries):
+        key = _key(group)
+        if reuse and self._reusable(key, boundaries):
             return self._kept[1]
         self._kept = None
         t0 = time.perf_counter()
@@ -338,24 +417,25 @@ class Engine:
         state = PromptState(boundaries=boundaries)
         if boundaries and self.offload_boundaries:
             state.host = HostBoundaries(prefix.device)
-        chunks = self._chunks(prefix.shape[0])
-        bar = tqdm(total=prefix.shape[0], desc="prefill", unit="tok", disable=not self.progress or len(chunks) < 2)
+        passes = self._passes(prefix.shape[0])
+        bar = tqdm(total=prefix.shape[0], desc="prefill", unit="tok", disable=not self.progress or len(passes) < 2)
         with self.adapter.activate(), torch.no_grad():
-            for start, end in chunks:
-                if self.shards is not None:
-                    self.shards.replicated(end - start)
-                with use_pass(Pass(state, visible=state.num_chunks, append=True, shard=self.shards)), self.autocast():
+            for bounds in passes:
+                start, end, cp = self._declare(state.num_chunks, bounds)
+                p = Pass(state, visible=state.num_chunks, append=True, shard=self.shards, cp=cp)
+                with use_pass(p), self.autocast():
                     self._backbone()(
                         input_ids=prefix[None, start:end],
                         position_ids=self._positions(group.pad + start, end - start, prefix.device),
                         use_cache=False,
                     )
-                state.num_chunks += 1
-                state.chunk_lengths.append(end - start)
-                if state.host is not None and state.num_chunks > 1:
-                    # The recurrent records of the previous chunk are now only a boundary for the reverse pass.
-                    state.host.stash(state.records, state.recurrent, state.num_chunks - 2)
-                bar.update(end - start)
+                for first, last in bounds:
+                    state.num_chunks += 1
+                    state.chunk_lengths.append(last - first)
+                    if state.host is not None and state.num_chunks > 1:
+                        # The recurrent records of the previous chunk are now only a boundary for the reverse pass.
+                        state.host.stash(state.records, state.recurrent, state.num_chunks - 2)
+                bar.update(bounds[-1][1] - bounds[0][0])
         bar.close()
         self.stats.prompt_positions += prefix.shape[0]
         self.stats.prefill_s += time.perf_counter() - t0
@@ -364,36 +444,53 @@ class Engine:
             self._kept = (key, state)
         return state
 
-    def reverse(self, group: PromptGroup, state: PromptState) -> None:
+    def _reusable(self, key: tuple[int, bytes], boundaries: bool) -> bool:
+        """Whether `prefill(..., reuse=True)` of the prompt `key` returns the kept state instead of prefilling."""
+        kept = self._kept
+        return kept is not None and kept[0] == key and (kept[1].boundaries or not boundaries)
+
+    def _num_chunks(self, group: PromptGroup) -> int:
+        """Prefill (and reverse) chunks of `group`'s prompt."""
+        return len(self._chunks(group.tokens.shape[0] - 1))
+
+    def reverse(self, group: PromptGroup, state: PromptState) -> int:
         """Exact mode: back-propagates the gradient accumulated on the records through the prompt, last chunk first.
 
         Each chunk is recomputed with autograd; its records are freed once consumed, so the state shrinks as the pass
         goes. Afterwards the state is spent and is not kept. Sharded, every rank recomputes every chunk and first
         receives the recurrent records at the chunk's start from their owner (one broadcast per chunk and dtype).
+
+        Returns the number of chunks recomputed (chunks whose records received no gradient are skipped, unless
+        sharded).
         """
         t0 = time.perf_counter()
+        ran = 0
         self._kept = None
         prefix = group.tokens[:-1]
-        chunks = self._chunks(prefix.shape[0])
+        passes = self._passes(prefix.shape[0])
+        firsts = [0]  # the first chunk of each pass
+        for bounds in passes[:-1]:
+            firsts.append(firsts[-1] + len(bounds))
         if not state.boundaries:
             raise RuntimeError("the exact-mode reverse pass needs a state prefilled with boundaries=True")
         with self.adapter.activate():
-            for c in reversed(range(len(chunks))):
-                start, end = chunks[c]
+            for i in reversed(range(len(passes))):
+                bounds, c = passes[i], firsts[i]
+                last = c + len(bounds) - 1
                 if state.host is not None and c > 0:
-                    # Boundary c - 1 back from host memory (copied while chunk c + 1 ran); the next one starts now.
+                    # Boundary c - 1 back from host memory (copied while the next pass ran); the next one starts now.
                     state.host.restore(state.records, c - 1)
-                    state.host.prefetch(c - 2)
+                    state.host.prefetch(firsts[i - 1] - 1)
                 if self.shards is not None and c > 0 and state.recurrent:
-                    # Chunk c starts from the recurrent records of chunk c - 1, which only their owner kept.
-                    self.shards.broadcast_boundary(state, c - 1)
+                    # The pass starts from the recurrent records of chunk c - 1, which only their owner kept.
+                    self.shards.broadcast_boundary(state, c - 1, like=last)
                 own = {layer: records[c] for layer, records in state.records.items() if records[c] is not None}
-                # Sharded: every rank runs every chunk, as the attention over the prompt is collective.
+                # Sharded: every rank runs every pass, as the attention over the prompt is collective.
                 if self.shards is not None or any(t.grad is not None for record in own.values() for t in record):
-                    p = Pass(state, visible=c, shard=self.shards)
+                    ran += 1
+                    start, end, cp = self._declare(c, bounds)
+                    p = Pass(state, visible=c, shard=self.shards, cp=cp)
                     p.sink = {}
-                    if self.shards is not None:
-                        self.shards.replicated(end - start)
                     with use_pass(p), torch.enable_grad():
                         with self.autocast():
                             hidden = self._backbone()(
@@ -408,23 +505,28 @@ class Engine:
                             # gathered again for backward by a hook on its output, which the records alone never reach.
                             outputs.append(hidden)
                             grads.append(torch.zeros_like(hidden))
-                        for layer, recomputed_record in captured.items():
-                            record = own.get(layer)
-                            for i, recomputed in enumerate(recomputed_record):
-                                kept = None if record is None else record[i]
-                                if kept is not None and kept.grad is not None:
-                                    outputs.append(recomputed)
-                                    grads.append(kept.grad)
-                                elif self.shards is not None and recomputed.requires_grad:
-                                    # Zero seeds for records held elsewhere: every rank back-propagates the same
-                                    # graph, so the collective backward of the sharded attention meets all ranks.
-                                    outputs.append(recomputed)
-                                    grads.append(torch.zeros_like(recomputed))
+                        for layer, recomputed_records in captured.items():
+                            # A context-parallel round captures `{chunk: record}`; a chunk, its own record.
+                            for chunk, recomputed_record in (
+                                recomputed_records if cp else {c: recomputed_records}
+                            ).items():
+                                record = state.records[layer][chunk]
+                                for j, recomputed in enumerate(recomputed_record):
+                                    kept = None if record is None else record[j]
+                                    if kept is not None and kept.grad is not None:
+                                        outputs.append(recomputed)
+                                        grads.append(kept.grad)
+                                    elif self.shards is not None and recomputed.requires_grad:
+                                        # Zero seeds for records held elsewhere: every rank back-propagates the same
+                                        # graph, so the collective backward of the sharded layers meets all ranks.
+                                        outputs.append(recomputed)
+                                        grads.append(torch.zeros_like(recomputed))
                         if outputs:
                             torch.autograd.backward(outputs, grads)
                 for records in state.records.values():
-                    records[c] = None
+                    records[c : last + 1] = [None] * (last + 1 - c)
         self.stats.reverse_s += time.perf_counter() - t0
+        return ran
 
     # ---------------------------------------------------------------------------------------------------- branches
     def _branch(self, group: PromptGroup, completion: torch.Tensor, n: int):
@@ -471,19 +573,64 @@ class Engine:
             backward_fn(lp.sum() * 0 + (0 if ent is None else ent.sum() * 0))
 
     def _sync_pass(self, device) -> None:
-        with self.adapter.activate(), use_pass(Pass(PromptState(), visible=0)), torch.enable_grad():
-            self._zero_branch(None, torch.autograd.backward, device)
+        self._filler(BRANCH, device, torch.autograd.backward)
+
+    def _filler(self, kind: int, device, backward_fn: Callable[[torch.Tensor], None] | None = None) -> None:
+        """One pass of `kind` on a single token against an empty prompt state, with weight zero: it runs the modules
+        (and so issues the FSDP2 collectives) of a pass of that kind, and changes no value.
+
+        `PREFILL`: a backbone forward without autograd. `BRANCH`: a one-token branch through the root, back-propagated
+        with `backward_fn` if given (the backward pass), else without autograd (scoring). `REVERSE`: a backbone forward
+        with autograd, back-propagated from a zero seed on its output, as the reverse pass's chunks are.
+        """
+        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        grad = kind == REVERSE or backward_fn is not None
+        with (
+            self.adapter.activate(),
+            use_pass(Pass(PromptState(), visible=0, append=kind == PREFILL)),
+            torch.set_grad_enabled(grad),
+        ):
+            if kind == BRANCH:
+                self._zero_branch(None, backward_fn, device)
+                return
+            with self.autocast():
+                hidden = self._backbone()(input_ids=ids, position_ids=ids, use_cache=False).last_hidden_state
+        if kind == REVERSE:
+            torch.autograd.backward(hidden, torch.zeros_like(hidden))
+
+    def _pad(self, slot: Slot, kind: int, done: int, device, backward_fn=None) -> None:
+        """Data-parallel lockstep: fillers that bring the `done` passes of `kind` this rank ran for `slot` to the
+        agreed count (`Slot.passes`). Nothing otherwise."""
+        if slot.passes is None:
+            return
+        if done > slot.passes[kind]:
+            raise RuntimeError(f"ran {done} passes of kind {kind}, more than the {slot.passes[kind]} agreed")
+        for _ in range(slot.passes[kind] - done):
+            self._filler(kind, device, backward_fn)
 
     def _schedule(
-        self, groups: list[PromptGroup], rows: list[list[int]], lengths: list[int]
-    ) -> list[tuple[PromptGroup, Iterator[int | None]]]:
-        """The prompts to run and, for each, its branch rows; `None` is a zero-weight filler branch.
+        self,
+        groups: list[PromptGroup],
+        rows: list[list[int]],
+        lengths: list[int],
+        passes: Callable[[PromptGroup, list[int]], tuple[int, int, int]],
+        device,
+    ) -> list[Slot]:
+        """The prompts to run and, for each, its branch rows.
 
-        Unsharded: `groups` with their `rows`, as given. Sharded: the prompts in the order agreed by the group, and
-        rounds in which every rank runs one branch (its own or a filler), declared to `shards` round by round.
+        Unsharded: `groups` with their `rows`, as given. Data-parallel lockstep (FSDP2 without a sharded state): the
+        prompts with rows, as given, then empty slots up to the largest number of prompts of any rank, each with the
+        pass counts agreed by one all-reduce over the world (`passes(group, rows)`: this rank's own counts for a
+        prompt, see `Slot`). Sharded: the prompts in the order agreed by the group, and rounds in which every rank
+        runs one branch (its own or a filler), declared to `shards` round by round.
         """
+        if self.lockstep:
+            work = [(g, rs) for g, rs in zip(groups, rows, strict=True) if rs]
+            agreed = agree_pass_counts([passes(g, rs) for g, rs in work], len(lengths), device)
+            work += [(None, [])] * (len(agreed) - len(work))
+            return [Slot(group, rs, passes=counts) for (group, rs), counts in zip(work, agreed, strict=True)]
         if self.shards is None:
-            return list(zip(groups, rows, strict=True))
+            return [Slot(g, rs) for g, rs in zip(groups, rows, strict=True)]
         order, plan = self.shards.agree(groups, [[lengths[r] for r in rs] for rs in rows])
 
         def rounds(mine: list[int], everyone: list[list[int]]) -> Iterator[int | None]:
@@ -491,7 +638,7 @@ class Engine:
                 self.shards.branch_round([theirs[i] if i < len(theirs) else 1 for theirs in everyone])
                 yield mine[i] if i < len(mine) else None
 
-        return [(groups[i], rounds(rows[i], plan[k])) for k, i in enumerate(order) if any(plan[k])]
+        return [Slot(groups[i], rounds(rows[i], plan[k])) for k, i in enumerate(order) if any(plan[k])]
 
     def score(
         self,
@@ -523,28 +670,39 @@ class Engine:
         logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
         entropies = torch.zeros_like(logps)
         has_entropy = True
+        device = prompt_ids.device
         groups = group_prompts(prompt_ids, prompt_mask)
-        for group, rows in self._schedule(groups, [[r for r in g.rows if lengths[r] > 0] for g in groups], lengths):
-            state = self.prefill(group, keep=keep_last, boundaries=boundaries)
+        batched = batch_tokens > 0 and self.shards is None and getattr(self.adapter, "batches_branches", False)
+
+        def passes(group: PromptGroup, rows: list[int]) -> tuple[int, int, int]:
+            branches = len(pack_rows(rows, lengths, batch_tokens)) if batched else len(rows)
+            return self._num_chunks(group), branches, 0
+
+        rows = [[r for r in g.rows if lengths[r] > 0] for g in groups]
+        for slot in self._schedule(groups, rows, lengths, passes, device):
+            group = slot.group
+            state = PromptState() if group is None else self.prefill(group, keep=keep_last, boundaries=boundaries)
+            self._pad(slot, PREFILL, state.num_chunks, device)
             t0 = time.perf_counter()
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), torch.no_grad(), use_pass(p):
-                if batch_tokens > 0 and self.shards is None and getattr(self.adapter, "batches_branches", False):
-                    rows = list(rows)
+                if batched:
                     batches = [
                         (batch, self._batched_branches(group, completion_ids, batch, lengths))
-                        for batch in pack_rows(rows, lengths, batch_tokens)
+                        for batch in pack_rows(list(slot.rows), lengths, batch_tokens)
                     ]
                 else:
                     # Sharded: one branch per round on every rank (fillers included), in lockstep.
                     batches = (
                         ([row], None if row is None else self._branch(group, completion_ids[row], lengths[row]))
-                        for row in rows
+                        for row in slot.rows
                     )
+                done = 0
                 for batch_rows, inputs in batches:
                     if inputs is None:
-                        self._zero_branch(group, None, prompt_ids.device)
+                        self._zero_branch(group, None, device)
                         continue
+                    done += 1
                     lp, ent = self._forward_branch(*inputs)
                     for i, row in enumerate(batch_rows):
                         n = lengths[row]
@@ -553,6 +711,7 @@ class Engine:
                             has_entropy = False
                         else:
                             entropies[row, :n] = ent[i, :n]
+                self._pad(slot, BRANCH, done, device)
             self.stats.replay_s += time.perf_counter() - t0
         return logps, entropies if has_entropy else None
 
@@ -596,27 +755,54 @@ class Engine:
             ]
             for g in groups
         ]
-        schedule = [(g, rows) for g, rows in self._schedule(groups, live, lengths) if self.shards is not None or rows]
-        # Start with the prompt whose state the scoring pass left behind.
-        if self._kept is not None:
-            schedule.sort(key=lambda item: (item[0].pad, item[0].tokens.cpu().numpy().tobytes()) != self._kept[0])
-        for group, rows in schedule:
+        device = prompt_ids.device
+        # Start with the prompt whose state the scoring pass left behind (the sharded order is agreed, then sorted).
+        first = sorted(range(len(groups)), key=lambda i: self._kept is None or _key(groups[i]) != self._kept[0])
+        groups, live = [groups[i] for i in first], [live[i] for i in first]
+
+        def passes(group: PromptGroup, rows: list[int]) -> tuple[int, int, int]:
+            chunks = self._num_chunks(group)
+            return 0 if self._reusable(_key(group), exact) else chunks, len(rows), chunks if exact else 0
+
+        schedule = [
+            slot
+            for slot in self._schedule(groups, live, lengths, passes, device)
+            if self.shards is not None or slot.passes is not None or slot.rows
+        ]
+        if self.shards is not None and self._kept is not None:
+            schedule.sort(key=lambda slot: _key(slot.group) != self._kept[0])
+        for slot in schedule:
+            group = slot.group
+            if group is None:
+                self._pad(slot, PREFILL, 0, device)
+                self._pad(slot, BRANCH, 0, device, backward_fn)
+                self._pad(slot, REVERSE, 0, device)
+                continue
+            reused = self._reusable(_key(group), exact)
             state = self.prefill(group, keep=True, reuse=True, boundaries=exact)
+            self._pad(slot, PREFILL, 0 if reused else state.num_chunks, device)
             if exact:
                 state.requires_grad_()
             t0 = time.perf_counter()
+            done = 0
             with self.adapter.activate(), use_pass(Pass(state, visible=state.num_chunks, shard=self.shards)):
-                for row in rows:
+                for row in slot.rows:
                     if row is None:
-                        self._zero_branch(group, backward_fn, prompt_ids.device)
+                        self._zero_branch(group, backward_fn, device)
                         continue
+                    done += 1
                     n = lengths[row]
                     lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
                     surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
                     if grad_entropies is not None:
                         surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
                     backward_fn(surrogate)
+                self._pad(slot, BRANCH, done, device, backward_fn)
             self.stats.replay_s += time.perf_counter() - t0
-            if exact:
-                self.reverse(group, state)
+            self._pad(slot, REVERSE, self.reverse(group, state) if exact else 0, device)
         self._kept = None
+
+
+def _key(group: PromptGroup) -> tuple[int, bytes]:
+    """Identifies a prompt: its left padding and tokens."""
+    return group.pad, group.tokens.cpu().numpy().tobytes()

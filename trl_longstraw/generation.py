@@ -41,9 +41,15 @@ class DecodePass(Pass):
     def read(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
         return super().read(layer_idx) + self.tail.records(layer_idx)
 
-    def emit(self, layer_idx: int, record: tuple[torch.Tensor, ...], sharded: bool = False) -> None:
+    def emit(
+        self, layer_idx: int, record: tuple[torch.Tensor, ...], sharded: bool = False, supersedes: bool = False
+    ) -> None:
         # Decoded tokens are not part of the prompt: their records stay on this rank, whatever `sharded` says.
-        self.tail.append(layer_idx, tuple(t.detach() for t in record))
+        record = tuple(t.detach() for t in record)
+        if supersedes:
+            self.tail.replace(layer_idx, record)
+        else:
+            self.tail.append(layer_idx, record)
 
 
 def check_generation_config(config: GenerationConfig) -> None:

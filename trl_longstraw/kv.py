@@ -64,21 +64,31 @@ class KVTail:
     """The records of the tokens each decoded row adds after the shared prompt, for `generation.DecodePass`.
 
     Per attention layer, keys and values `[G, Hkv, capacity, D]`, allocated at the layer's first step and filled one
-    token per step, so a step reads one tail record instead of one record per earlier step.
+    token per step, so a step reads one tail record instead of one record per earlier step. Per recurrent layer
+    (a record that supersedes the earlier ones, e.g. qwen3_5's `(conv_tail, state)`), the rows' latest record
+    `[G, ...]`, replaced at every step (`replace`).
     """
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lengths: dict[int, int] = {}
+        self.latest: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def records(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
-        """The tail of `layer_idx` so far, as at most one record `(keys, values)` `[G, Hkv, t, D]`."""
+        """The tail of `layer_idx` so far, as at most one record: `(keys, values)` `[G, Hkv, t, D]`, or the rows'
+        latest recurrent record."""
+        if layer_idx in self.latest:
+            return [self.latest[layer_idx]]
         t = self.lengths.get(layer_idx, 0)
         if t == 0:
             return []
         k, v = self.buffers[layer_idx]
         return [(k[:, :, :t], v[:, :, :t])]
+
+    def replace(self, layer_idx: int, record: tuple[torch.Tensor, ...]) -> None:
+        """Stores the step's superseding record `[G, ...]` of a recurrent layer in place of the previous one."""
+        self.latest[layer_idx] = record
 
     def append(self, layer_idx: int, record: tuple[torch.Tensor, ...]) -> None:
         """Appends the step's `(keys, values)` `[G, Hkv, n, D]` of `layer_idx`."""
@@ -110,6 +120,12 @@ class KVCacheAdapter:
 
     def __init__(self, causal_lm: PreTrainedModel):
         self.causal_lm = causal_lm
+
+    @staticmethod
+    def context_parallel(world: int) -> bool:
+        """Whether the prompt passes of a state sharded over `world` ranks can split their tokens (see
+        `context_parallel`): always, as attention is the only token mixer and goes through `sharding.attend`."""
+        return True
 
     def activate(self):
         return attention_switched(self.causal_lm)

@@ -2,11 +2,14 @@
 
     python -m trl_longstraw.plan --model {qwen3.6-27b|glm-5.2|PATH} --positions 2.1M --gpus 8 --gpu-memory 96GB \
         --mode {exact|detached} [--group-size G --completion-length C --prefill-chunk-size N --shard-prompt-state]
+    python -m trl_longstraw.plan --config recipes/configs/X.yaml --gpus 8 --gpu-memory 96GB [flags override it]
 
 The presets build the real shapes from transformers config classes and instantiate the model on the meta device, so
 parameter counts are exact and nothing is downloaded; PATH loads a local `config.json` (or a folder holding one).
 
-The budget is per GPU, at the peak of a training step (see `estimate`). Exit code 0 when it fits, 3 when it does not.
+The budget is per GPU, at the peak of a training step (see `estimate`). Exit code 0 when it fits, 3 when it does not,
+4 when it fits but the trainer would refuse the setup at construction (`trainer_refusals`), 2 for an error in the
+arguments (one line on stderr: an unknown preset, an unsupported model, an unreadable recipe).
 The same estimate backs the trainer's memory guard (`trl_longstraw.guards.check_memory`).
 """
 
@@ -104,9 +107,9 @@ ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
 
 def preset_config(name: str, positions: int | None = None):
     """The text config of preset `name`, with YaRN set when `positions` exceed its native window."""
-    if name not in PRESETS:
+    if name.lower() not in PRESETS:
         raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)} or pass a config.json path")
-    config = PRESETS[name][1]()
+    config = PRESETS[name.lower()][1]()
     return with_yarn(config, positions) if positions is not None else config
 
 
@@ -177,11 +180,20 @@ def load_config(path: str | Path):
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise ValueError(f"{path} is neither a preset ({', '.join(PRESETS)}) nor a config.json or a folder with one")
-    data = json.loads(file.read_text())
-    if "model_type" not in data:
-        raise ValueError(f"{file} has no model_type")
-    config = AutoConfig.for_model(data.pop("model_type"), **data)
+        raise ValueError(
+            f"{str(path)!r} is neither a preset ({', '.join(PRESETS)}, in any case) nor a config.json or a folder "
+            "holding one"
+        )
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"{file} has no model_type: it is not a transformers config.json")
+    try:
+        config = AutoConfig.for_model(data.pop("model_type"), **data)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{file}: transformers cannot build its config ({e})") from None
     return config.get_text_config()
 
 
@@ -327,20 +339,32 @@ def _activation_elems(layer: nn.Module, top_k: int) -> int:
 
 
 def model_stats(
-    causal_lm: nn.Module, config=None, lora_rank: int | None = None, state_dtype_bytes: int = 2
+    causal_lm: nn.Module,
+    config=None,
+    lora_rank: int | None = None,
+    state_dtype_bytes: int = 2,
+    lora_targets: list[str] | None = None,
 ) -> ModelStats:
     """Counts a causal LM's parameters and per-token activations (works on the meta device).
 
-    With `lora_rank`, only LoRA adapters of that rank on every `nn.Linear` of the decoder layers (PEFT's
-    `target_modules="all-linear"`) are trainable; otherwise the model's `requires_grad` flags decide. The prompt
-    state's records are counted at `state_dtype_bytes` per element (the compute dtype).
+    With `lora_rank`, only LoRA adapters of that rank are trainable: on every `nn.Linear` of the decoder layers
+    (PEFT's `target_modules="all-linear"`), or with `lora_targets` on those whose name ends with one of them (PEFT's
+    `target_modules` list); otherwise the model's `requires_grad` flags decide. The prompt state's records are counted
+    at `state_dtype_bytes` per element (the compute dtype).
     """
     config = config if config is not None else causal_lm.config.get_text_config()
     layers = decoder_layers(causal_lm)
     top_k = getattr(config, "num_experts_per_tok", None) or 1
 
+    def targeted(name: str) -> bool:
+        return lora_targets is None or name.rsplit(".", 1)[-1] in lora_targets
+
     def lora(module: nn.Module) -> int:
-        return sum(lora_rank * (m.in_features + m.out_features) for m in module.modules() if isinstance(m, nn.Linear))
+        return sum(
+            lora_rank * (m.in_features + m.out_features)
+            for name, m in module.named_modules()
+            if isinstance(m, nn.Linear) and targeted(name)
+        )
 
     def trainable(module: nn.Module) -> int:
         return lora(module) if lora_rank else sum(p.numel() for p in module.parameters() if p.requires_grad)
@@ -392,8 +416,8 @@ class Setup:
         gpus: processes (one GPU each).
         gpu_memory: bytes per GPU (default 80 GB).
         shard_prompt_state: the prompt state and its gradient are split over the GPUs of a shard group.
-        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP only one group
-            of all GPUs lets FSDP2 gather layer by layer; smaller groups gather the whole model.
+        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2, one group of
+            all GPUs (or no sharded state) lets FSDP2 gather layer by layer; smaller groups gather the whole model.
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
@@ -514,9 +538,10 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         ),
     ]
     state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
-    if shards > 1 and state_parts == u.gpus:
-        # Lockstep passes: FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the
-        # root's own parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass.
+    if shards > 1 and (not u.shard_prompt_state or state_parts == u.gpus):
+        # Lockstep passes (the sharded state's over all GPUs, or the data-parallel one: equal pass counts per rank):
+        # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the root's own
+        # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass.
         gathered = s.root_params + s.root_trainable + 2 * s.largest_layer_params + s.largest_layer_trainable
         items.append(
             Item(
@@ -527,15 +552,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             )
         )
     elif shards > 1:
-        # Ranks run different passes, so the engine gathers the whole model once per call and reduces the gradient
-        # once per micro-batch (docs/distributed.md).
-        why = "shard groups smaller than the GPUs" if u.shard_prompt_state else "the prompt state is not sharded"
+        # Shard groups smaller than the GPUs run different passes, so the engine gathers the whole model once per call
+        # and reduces the gradient once per micro-batch (docs/distributed.md).
         items.append(
             Item(
                 "FSDP all-gathered",
                 (s.total_params + s.trainable_params) * u.compute_bytes,
-                f"whole model + its unreduced gradient, gathered once per engine call ({why}, so ranks run "
-                f"different passes), {u.compute_bytes} B each",
+                "whole model + its unreduced gradient, gathered once per engine call (shard groups smaller than the "
+                f"GPUs run different passes), {u.compute_bytes} B each",
             )
         )
     tokens = state_tokens(u.positions)
@@ -792,21 +816,222 @@ def format_budget(budget: Budget, title: str) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------------- recipes
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe YAML (`recipes/configs/*.yaml`) as `recipes/grpo_long.py` parses it: its three argument objects."""
+
+    path: str
+    script_args: object
+    training_args: object
+    model_args: object
+
+
+def read_recipe(path: str | Path) -> Recipe:
+    """Parses a recipe YAML with the recipe's own parser (`trl_longstraw.recipe.make_parser`), so that its keys are
+    checked as the recipe checks them. `bf16` is read as off: the planner runs without a GPU, and TrainingArguments
+    refuses bf16 there; the planner's `--precision` decides the bytes instead.
+
+    Raises:
+        ValueError: for a missing file or keys that the recipe does not know.
+    """
+    if not Path(path).is_file():
+        raise ValueError(f"--config {str(path)!r}: no such file")
+    from .recipe import make_parser
+
+    try:
+        script_args, training_args, model_args = make_parser().parse_args_and_config(
+            args=["--config", str(path), "--bf16", "false", "--fp16", "false"]
+        )
+    except SystemExit:
+        raise ValueError(f"--config {str(path)!r} is not a recipe config that recipes/grpo_long.py reads") from None
+    return Recipe(str(path), script_args, training_args, model_args)
+
+
+def recipe_model(name: str) -> str:
+    """The planner's `--model` for a recipe's `model_name_or_path`: a preset when its last path component names one
+    (`Qwen/Qwen3.6-27B` -> `qwen3.6-27b`), else the name itself (a local folder)."""
+    last = name.rstrip("/").rsplit("/", 1)[-1].lower()
+    return last if last in PRESETS and not Path(name).exists() else name
+
+
+TINY_MODEL_PREFIX = "longstraw/tiny-"
+
+
+def tiny_recipe_config(name: str, hidden_size: int):
+    """The config of the tiny random model that the recipe builds for `longstraw/tiny-<family>`
+    (`trl_longstraw.recipe.resolve_model_path`), without building it."""
+    from .testing import build_tokenizer, tiny_config
+
+    family = name[len(TINY_MODEL_PREFIX) :]
+    config = tiny_config(
+        family,
+        vocab_size=len(build_tokenizer()),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        head_dim=hidden_size // 4,
+    )
+    return config.get_text_config()
+
+
+def recipe_defaults(recipe: Recipe) -> dict:
+    """The planner's argument values that a recipe sets: model, positions (built-in tasks' `prompt_tokens`), mode,
+    prefill chunk, group size, completion length, LoRA rank and targets, gradient checkpointing, sharding."""
+    from .tasks import TASK_NAMES
+
+    s, t, m = recipe.script_args, recipe.training_args, recipe.model_args
+    out = {
+        "model": recipe_model(m.model_name_or_path),
+        "mode": t.prompt_gradient,
+        "prefill_chunk_size": t.prefill_chunk_size,
+        "group_size": t.num_generations,
+        "completion_length": t.max_completion_length,
+        "shard_prompt_state": t.shard_prompt_state,
+        "prompt_shard_group_size": t.prompt_shard_group_size,
+        "no_gradient_checkpointing": not t.gradient_checkpointing,
+        "lora_rank": m.lora_r if m.use_peft else None,
+    }
+    if s.dataset_name in TASK_NAMES:
+        out["positions"] = s.prompt_tokens
+    targets = m.lora_target_modules
+    if m.use_peft and targets is not None and targets != "all-linear":
+        out["lora_targets"] = [targets] if isinstance(targets, str) else list(targets)
+    return out
+
+
+def _init_kwargs(model_init_kwargs: dict | None) -> dict:
+    """The config keys of a recipe's `model_init_kwargs`: under `text_config` for Qwen3.5/3.6, else top level."""
+    kwargs = dict(model_init_kwargs or {})
+    return dict(kwargs.get("text_config") or {}) if "text_config" in kwargs else kwargs
+
+
+def apply_model_init_kwargs(config, model_init_kwargs: dict | None):
+    """A copy of the text `config` with a recipe's `model_init_kwargs` applied as `from_pretrained` applies them to
+    the config (keys that are not config attributes, such as `dtype`, are left out).
+
+    A `rope_parameters` override is laid over the config's own mapping, so that the model can still be built when
+    it drops a key such as `rope_theta`; `rope_override_refusal` reports such an override, which the recipe refuses.
+    """
+    config = copy.deepcopy(config)
+    for key, value in _init_kwargs(model_init_kwargs).items():
+        if key == "rope_parameters" and isinstance(value, dict):
+            value = {**(config.rope_parameters or {}), **value}
+        if hasattr(config, key):
+            setattr(config, key, copy.deepcopy(value))
+    return config
+
+
+def rope_override_refusal(config, model_init_kwargs: dict | None) -> str | None:
+    """The recipe's refusal of a `rope_parameters` override that drops or changes a key outside the scaling keys
+    (`trl_longstraw.recipe.check_rope_override`), checked against `config` (the preset's or local config's values);
+    None when there is none or it is fine."""
+    wanted = _init_kwargs(model_init_kwargs).get("rope_parameters")
+    if wanted is None:
+        return None
+    from .recipe import _SCALING_KEYS
+
+    original = dict(config.rope_parameters or {})
+    problems = [
+        f"{key}: model {original[key]!r}, override {wanted.get(key, '<missing>')!r}"
+        for key in sorted(set(original) - _SCALING_KEYS)
+        if key not in wanted or wanted[key] != original[key]
+    ]
+    if not problems:
+        return None
+    return (
+        "model_init_kwargs' rope_parameters replaces the checkpoint's whole mapping but differs from it outside the "
+        f"scaling keys ({'; '.join(problems)}): copy those values from the checkpoint's config.json."
+    )
+
+
+# -------------------------------------------------------------------------------------------------- refusals
+def trainer_refusals(
+    config, causal_lm: nn.Module, setup: Setup, recipe: Recipe | None = None, original_config=None
+) -> list[str]:
+    """What `LongStrawGRPOTrainer` (and the recipe) would refuse at construction for this model and setup, each as
+    the trainer's own message: prompts beyond an unscaled RoPE window, per-call RoPE it cannot pin, a sharded prompt
+    state the adapter lacks, active dropout, and with a recipe its training arguments (`trainer._check_args`, the
+    MoE router's auxiliary loss, LoRA dropout, a `rope_parameters` override that differs from `original_config`, the
+    config before the recipe's `model_init_kwargs`)."""
+    from .adapters import ADAPTERS
+    from .guards import active_dropout, check_positions
+    from .rope import rotary_modules
+
+    out = []
+    try:
+        check_positions(config, setup.positions + setup.completion_length)
+    except ValueError as e:
+        out.append(str(e))
+    try:
+        rotary_modules(causal_lm)
+    except ValueError as e:
+        out.append(str(e))
+    adapter = ADAPTERS.get(config.model_type)
+    if setup.shard_prompt_state and adapter is not None and not getattr(adapter, "shards_prompt_state", False):
+        out.append(
+            f"shard_prompt_state is not supported by the {config.model_type!r} adapter yet: set "
+            "shard_prompt_state=False (and use more GPUs or prompt_gradient='detached' for capacity)."
+        )
+    dropout = active_dropout(causal_lm)
+    if recipe is not None and recipe.model_args.use_peft and recipe.model_args.lora_dropout:
+        dropout.append(f"LoRA adapters (lora_dropout={recipe.model_args.lora_dropout:g})")
+    if dropout:
+        out.append(
+            f"dropout is active in {', '.join(dropout[:4])}: the trainer scores, replays and recomputes each token in "
+            "separate passes, each with its own dropout mask. Set attention_dropout=0.0 and lora_dropout=0."
+        )
+    if recipe is not None:
+        from .trainer import _check_args
+
+        args = recipe.training_args
+        rope = rope_override_refusal(original_config or config, args.model_init_kwargs)
+        if rope is not None:
+            out.append(rope)
+        try:
+            _check_args(args)
+        except ValueError as e:
+            out.append(str(e))
+        coef = args.router_aux_loss_coef
+        coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
+        if hasattr(config, "output_router_logits") and coef != 0.0:
+            out.append(
+                "the MoE router auxiliary loss is not supported by LongStrawGRPOTrainer (the prompt is shared by the "
+                "group, so its routing would be counted once instead of G times): set router_aux_loss_coef=0.0."
+            )
+    return out
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trl_longstraw.plan",
         description="Per-GPU memory budget of a LongStraw GRPO step, its verdict, and the longest prompt that fits. "
-        "Exit code 0 when it fits, 3 when it does not.",
+        "Exit code 0 when it fits, 3 when it does not, 4 when it fits but the trainer refuses the setup, 2 for an "
+        "error in the arguments (unknown preset, unsupported model).",
     )
-    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a local config.json / folder")
-    p.add_argument("--positions", required=True, type=parse_count, help="prompt length in tokens, e.g. 2.1M")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="a recipe YAML (recipes/configs/*.yaml): model, positions (prompt_tokens of the built-in tasks), mode, "
+        "prefill chunk, group size, completion length, LoRA and sharding come from it; flags override them",
+    )
+    p.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}) or a local config.json / folder")
+    p.add_argument("--positions", type=parse_count, default=None, help="prompt length in tokens, e.g. 2.1M")
     p.add_argument("--gpus", type=int, default=8, help="GPUs (one process each); default 8")
     p.add_argument("--gpu-memory", type=parse_bytes, default="96GB", help="memory per GPU, e.g. 96GB or 80GiB")
     p.add_argument("--mode", choices=["exact", "detached"], default="exact", help="prompt_gradient; default exact")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (num_generations); default 8")
     p.add_argument("--completion-length", type=parse_count, default=512, help="tokens per completion; default 512")
     p.add_argument("--prefill-chunk-size", type=parse_count, default=4096, help="default 4096")
-    p.add_argument("--shard-prompt-state", action="store_true", help="split the prompt state over the GPUs")
+    p.add_argument(
+        "--shard-prompt-state",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="split the prompt state over the GPUs",
+    )
     p.add_argument(
         "--prompt-shard-group-size",
         type=int,
@@ -823,21 +1048,50 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
+    p.set_defaults(lora_targets=None)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI. Returns the exit code: 0 fits, 3 does not fit, 4 fits but the trainer refuses, 2 bad arguments."""
     parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        return _main(parser, args, argv)
+    except ValueError as e:
+        # One line, no traceback: an unknown preset, an unsupported model, an unreadable recipe.
+        print(f"{parser.prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> int:
+    recipe = None
+    if args.config is not None:
+        recipe = read_recipe(args.config)
+        parser.set_defaults(**recipe_defaults(recipe))
+        args = parser.parse_args(argv)  # flags override the recipe
+    for flag in ("model", "positions"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--{flag} is required (or a --config recipe that sets it)")
     if args.prompt_shard_group_size < 0 or (args.prompt_shard_group_size and args.gpus % args.prompt_shard_group_size):
         parser.error(f"--prompt-shard-group-size must divide --gpus ({args.gpus}), or be 0 for all of them")
-    if args.model in PRESETS:
-        name = PRESETS[args.model][0]
-        config = preset_config(args.model, args.positions + args.completion_length)
+    needed = args.positions + args.completion_length
+    if args.model.lower() in PRESETS:
+        name = PRESETS[args.model.lower()][0]
+        # With a recipe, its model_init_kwargs decide the RoPE scaling, as when the trainer loads the model.
+        original = preset_config(args.model, None if recipe is not None else needed)
+    elif recipe is not None and args.model.startswith(TINY_MODEL_PREFIX):
+        original = tiny_recipe_config(args.model, recipe.script_args.tiny_hidden_size)
+        name = args.model
     else:
-        config = load_config(args.model)
+        original = load_config(args.model)
         name = Path(args.model).name
-    stats = model_stats(meta_model(config), config, lora_rank=args.lora_rank)
+    config = original
+    if recipe is not None:
+        config = apply_model_init_kwargs(original, recipe.training_args.model_init_kwargs)
+    prompt_state_bytes(config)  # refuses a model type without an adapter, naming the supported ones
+    model = meta_model(config)
+    stats = model_stats(model, config, lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     weight = 2 if args.precision == "bf16" else 4
     setup = Setup(
         positions=args.positions,
@@ -856,9 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
         headroom=args.headroom,
     )
     budget = estimate(stats, setup)
+    refused = trainer_refusals(config, model, setup, recipe, original)
 
     window, native = rope_window(config)
-    needed = args.positions + args.completion_length
     if window is None:
         rope = "RoPE: no position window"
     elif rope_scaled(config):
@@ -872,7 +1126,10 @@ def main(argv: list[str] | None = None) -> int:
             else f", enough for {needed:,} positions"
         )
     lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
-    header = [
+    if args.lora_rank and args.lora_targets:
+        lora += f" on {', '.join(args.lora_targets)}"
+    header = [f"recipe: {recipe.path} (flags override it)"] if recipe is not None else []
+    header += [
         f"{name} ({config.model_type}): {_count(stats.total_params)} parameters, {_count(stats.trainable_params)} "
         f"trainable{lora}, {stats.num_layers} layers",
         f"  prompt state: {_size(stats.state_per_token)} per token + {_size(stats.state_fixed)} fixed",
@@ -893,10 +1150,21 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(header) + format_budget(budget, "per-GPU budget at the peak of a step:"))
     longest = largest_positions(stats, setup)
     print()
-    if budget.fits:
+    if budget.fits and refused:
+        print(
+            f"verdict: REFUSED -- fits in memory ({_size(budget.peak)} of {_size(setup.gpu_memory)}), but the "
+            "trainer refuses this setup at construction:"
+        )
+        for reason in refused:
+            print(f"  - {reason}")
+    elif budget.fits:
         print(f"verdict: FITS ({_size(budget.peak)} of {_size(setup.gpu_memory)})")
     else:
         print(f"verdict: DOES NOT FIT (needs {_size(budget.peak)}, has {_size(setup.gpu_memory)})")
+        if refused:
+            print("the trainer would also refuse this setup at construction:")
+            for reason in refused:
+                print(f"  - {reason}")
     if longest == 0:
         print("largest prompt that fits: none -- even a 1-token prompt does not fit with these settings")
     elif longest >= MAX_POSITIONS:
@@ -910,7 +1178,13 @@ def main(argv: list[str] | None = None) -> int:
         print("to fit:")
         for s in suggestions(budget):
             print(f"  - {s}")
-    return 0 if budget.fits else 3
+    if recipe is None and hasattr(config, "output_router_logits"):
+        print(
+            "note: the trainer refuses the MoE router's auxiliary loss: set router_aux_loss_coef=0.0 (the recipes do)"
+        )
+    if not budget.fits:
+        return 3
+    return 4 if refused else 0
 
 
 if __name__ == "__main__":

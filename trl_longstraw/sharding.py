@@ -40,6 +40,10 @@ import torch.distributed as dist
 
 from .attention import (
     _acc,
+    _dense_last,
+    _kernel_backward,
+    _kernel_for,
+    _kernel_forward,
     _prefix_parts,
     _scores,
     _self_parts,
@@ -66,12 +70,15 @@ class PromptShards:
         # Whether every rank runs the same queries in the current pass (a prefill or reverse chunk): attention then
         # merges the ranks' parts with all-reduces instead of exchanging every rank's queries.
         self.same_queries = False
+        # Whether the current pass is a context-parallel round (`context_parallel`): rank `r` runs chunk
+        # `first + r`, whose keys the queries of the ranks after it also see.
+        self.in_round = False
 
     def owner(self, chunk: int) -> int:
         """The rank (in the group) that keeps the records of prompt chunk `chunk`."""
         return chunk % self.world
 
-    def broadcast_boundary(self, state, chunk: int) -> None:
+    def broadcast_boundary(self, state, chunk: int, like: int | None = None) -> None:
         """Gives every rank the records of `state`'s recurrent layers at the end of prompt chunk `chunk`.
 
         Collective, for the exact-mode reverse pass about to recompute chunk `chunk + 1`: the owner of `chunk` sends
@@ -84,11 +91,14 @@ class PromptShards:
         Args:
             state: an `engine.PromptState` prefilled with `boundaries=True` under these shards.
             chunk: the chunk whose end-of-chunk records to broadcast.
+            like: a chunk whose records every rank holds, to shape the received ones (default `chunk + 1`; the last
+                chunk of the round in a context-parallel reverse pass).
         """
         owner = self.owner(chunk)
+        like = chunk + 1 if like is None else like
         src = owner if self.group is None else dist.get_global_rank(self.group, owner)
         layers = sorted(state.recurrent)  # the same order on every rank
-        templates = [t for layer in layers for t in state.records[layer][chunk + 1]]
+        templates = [t for layer in layers for t in state.records[layer][like]]
         sources = [t for layer in layers for t in state.records[layer][chunk]] if owner == self.rank else None
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(templates):
@@ -106,12 +116,13 @@ class PromptShards:
         if sources is None:
             parts = iter(received)
             for layer in layers:
-                state.records[layer][chunk] = tuple(next(parts) for _ in state.records[layer][chunk + 1])
+                state.records[layer][chunk] = tuple(next(parts) for _ in state.records[layer][like])
 
     def replicated(self, n: int) -> None:
         """Declares a pass where every rank runs the same `n` query tokens (a prefill or reverse chunk)."""
         self.lengths = [n] * self.world
         self.same_queries = True
+        self.in_round = False
 
     def merge_parts(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention over every rank's chunks, from this rank's part `out` `[..., Dv]`, `lse` `[...]`, in a
@@ -127,6 +138,14 @@ class PromptShards:
         """Declares a pass where rank `r` runs its own `lengths[r]` query tokens (one branch per rank)."""
         self.lengths = list(lengths)
         self.same_queries = False
+        self.in_round = False
+
+    def cp_round(self, lengths: list[int]) -> None:
+        """Declares a context-parallel round: rank `r` runs the `lengths[r]` tokens of the prompt chunk after those of
+        rank `r - 1` (see `context_parallel`)."""
+        self.lengths = list(lengths)
+        self.same_queries = False
+        self.in_round = True
 
     def agree(self, groups: list, lengths: list[list[int]]) -> tuple[list[int], list[list[list[int]]]]:
         """Checks that every rank holds the same prompts and exchanges the branch lengths of each.
@@ -329,10 +348,67 @@ def _pad_t(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
+def _logaddexp_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Merges a part `(part_out [..., Dv], part_lse [...])` into `(out, lse)` in place (flash-attention rescaling).
+    Rows that saw no key yet (`lse` -inf) take the part as it is."""
+    new_lse = torch.logaddexp(lse, part_lse)
+    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(part_out * torch.exp(part_lse - safe)[..., None])
+    lse.copy_(new_lse)
+
+
+def _part_forward(kind: str | None, qf: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+    """Folded queries `qf` `[1, Hkv, g, N, D]` against all of `keys`/`values` `[1, Hkv, S, D]`: `(out [1, Hkv, g, N,
+    Dv], lse [1, Hkv, g, N])` in the accumulation dtype, and what the kernel's backward needs (portable path: None)."""
+    if kind is None:
+        out, lse = _merge(qf, _prefix_parts((keys, values)), scale)
+        return out, lse, None
+    _, hkv, g, n, d = qf.shape
+    out, lse, extra = _kernel_forward(
+        kind, qf.reshape(1, hkv, g * n, d), _dense_last(keys), _dense_last(values), False, scale
+    )
+    acc = _acc(qf)
+    return out.view(1, hkv, g, n, -1).to(acc), lse.view(1, hkv, g, n).to(acc), extra
+
+
+def _part_backward(kind, extra, qf, keys, values, dout, out, lse, delta, scale: float, need_kv: bool, dq):
+    """The backward of `_part_forward` given the merged `out`, `dout`, `lse` (and `delta = rowsum(dout * out)` for
+    the portable path) of the same folded queries: adds into `dq` `[1, Hkv, g, N, D]` (accumulation dtype) and returns
+    the key/value gradients (None, None when not `need_kv`)."""
+    if kind is None:
+        return block_grads(qf, keys, values, dout, delta, lse, scale, False, need_kv, dq)
+    _, hkv, g, n, d = qf.shape
+    dtype = qf.dtype
+
+    def fold(x):
+        folded = x.reshape(1, hkv, g * n, *x.shape[4:]).to(dtype) if x.ndim == 5 else x.reshape(1, hkv, g * n)
+        return folded.contiguous()
+
+    dqf, dk, dv = _kernel_backward(
+        kind,
+        fold(dout),
+        fold(qf),
+        _dense_last(keys),
+        _dense_last(values),
+        fold(out),
+        fold(lse).float(),
+        False,
+        scale,
+        extra,
+    )
+    dq += dqf.view(dq.shape)
+    return (dk.to(keys.dtype), dv.to(values.dtype)) if need_kv else (None, None)
+
+
 class _ShardedPrefixAttention(torch.autograd.Function):
+    """Attention of each rank's own queries over the chunks of every rank (branch rounds and context-parallel rounds):
+    every rank's queries are gathered and attended to this rank's chunks, the parts return to their owners. Each part
+    runs through the fused kernel `kind` (see `attention._kernel_for`) or, with `kind` None, the portable einsum path.
+    """
+
     @staticmethod
     @autocast_off
-    def forward(ctx, scale: float, shards: PromptShards, q, k, v, *prefix):
+    def forward(ctx, kind, scale: float, shards: PromptShards, q, k, v, *prefix):
         world, group, lengths = shards.world, shards.group, list(shards.lengths)
         _, hq, t, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
@@ -343,18 +419,35 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         qall = _all_gather(_pad_t(q, tmax, 2), world, group)
         qall = qall.view(world, hkv, g, tmax, d).permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, d)
         acc = _acc(q)
-        o_loc, lse_loc = _merge(qall, _prefix_parts(prefix), scale)
-        if o_loc is None:  # this rank holds no visible chunk
-            o_loc = torch.zeros(1, hkv, g, world * tmax, dv, dtype=acc, device=q.device)
-            lse_loc = torch.full((1, hkv, g, world * tmax), float("-inf"), dtype=acc, device=q.device)
+        o_loc = torch.zeros(1, hkv, g, world * tmax, dv, dtype=acc, device=q.device)
+        lse_loc = torch.full((1, hkv, g, world * tmax), float("-inf"), dtype=acc, device=q.device)
+        extras = []
+        for pk, pv in zip(prefix[0::2], prefix[1::2], strict=True):
+            part_out, part_lse, extra = _part_forward(kind, qall, pk, pv, scale)
+            _logaddexp_into(o_loc, lse_loc, part_out, part_lse)
+            extras.append(extra)
+        later = (shards.rank + 1) * tmax  # context-parallel round: the queries of later ranks also see this chunk
+        in_round = shards.in_round and later < world * tmax
+        if in_round:
+            part_out, part_lse, extra = _part_forward(kind, qall[:, :, :, later:].contiguous(), k, v, scale)
+            _logaddexp_into(o_loc[:, :, :, later:], lse_loc[:, :, :, later:], part_out, part_lse)
+            extras.append(extra)
         packed = torch.cat([o_loc, lse_loc[..., None]], dim=-1).view(hkv, g, world, tmax, dv + 1)
         received = _all_to_all(packed.permute(2, 0, 1, 3, 4), group)[:, :, :, :t]  # [W, Hkv, g, T, Dv + 1]
-        o_self, lse_self = _merge(q.view(1, hkv, g, t, d), _self_parts(k, v), scale)
+        if kind is None:
+            o_self, lse_self = _merge(q.view(1, hkv, g, t, d), _self_parts(k, v), scale)
+            extras.append(None)
+        else:  # the causal mask follows the row: the own keys are repeated to the query heads
+            ke, ve = (x.repeat_interleave(g, dim=1) for x in (k, v))
+            o_self, lse_self, extra = _kernel_forward(kind, q.contiguous(), ke, ve, True, scale)
+            o_self, lse_self = o_self.view(1, hkv, g, t, dv).to(acc), lse_self.view(1, hkv, g, t).to(acc)
+            extras.append(extra)
         lses = torch.cat([lse_self, received[..., dv]], dim=0)  # [W + 1, Hkv, g, T]
         lse = torch.logsumexp(lses, dim=0, keepdim=True)  # [1, Hkv, g, T], finite: each query sees its own key
         weights = torch.exp(lses - lse)[..., None]
         out = (weights * torch.cat([o_self, received[..., :dv]], dim=0)).sum(0, keepdim=True)  # [1, Hkv, g, T, Dv]
-        ctx.scale, ctx.shards, ctx.lengths = scale, shards, lengths
+        ctx.kind, ctx.scale, ctx.shards, ctx.lengths, ctx.in_round = kind, scale, shards, lengths, in_round
+        ctx.extras = extras
         ctx.save_for_backward(q, k, v, qall, out, lse, *prefix)
         return out.view(1, hq, t, dv).to(q.dtype)
 
@@ -362,7 +455,7 @@ class _ShardedPrefixAttention(torch.autograd.Function):
     @autocast_off
     def backward(ctx, grad_out):
         q, k, v, qall, out, lse, *prefix = ctx.saved_tensors
-        shards, scale, lengths = ctx.shards, ctx.scale, ctx.lengths
+        shards, scale, lengths, kind, extras = ctx.shards, ctx.scale, ctx.lengths, ctx.kind, ctx.extras
         world, group = shards.world, shards.group
         _, hq, t, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
@@ -371,30 +464,70 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         dout = grad_out.to(acc).view(out.shape)  # [1, Hkv, g, T, Dv]
         delta = (dout * out).sum(-1)  # [1, Hkv, g, T]
 
-        def grads(qf, keys, values, dout, delta, lse, causal: bool, need_kv: bool):
-            """dq of folded queries `qf` against `keys`/`values`, and their grads when `need_kv`."""
-            dq = torch.zeros(qf.shape, dtype=acc, device=qf.device)
-            return dq, *block_grads(qf, keys, values, dout, delta, lse, scale, causal, need_kv, dq)
-
         # Own causal part, with the global log-sum-exp.
-        dq, dk, dvv = grads(q.view(1, hkv, g, t, d), k, v, dout, delta, lse, causal=True, need_kv=True)
+        dq = torch.zeros(1, hkv, g, t, d, dtype=acc, device=q.device)
+        if kind is None:
+            dk, dvv = block_grads(q.view(1, hkv, g, t, d), k, v, dout, delta, lse, scale, True, True, dq)
+        else:
+            ke, ve = (x.repeat_interleave(g, dim=1) for x in (k, v))
+            dq_self, dke, dve = _kernel_backward(
+                kind,
+                grad_out.contiguous().to(q.dtype),
+                q.contiguous(),
+                ke,
+                ve,
+                out.view(1, hq, t, dv).to(q.dtype),
+                lse.view(1, hq, t).float(),
+                True,
+                scale,
+                extras[-1],
+            )
+            dq += dq_self.view(dq.shape)
+            dk = dke.view(1, hkv, g, t, -1).sum(2, dtype=acc).to(k.dtype)
+            dvv = dve.view(1, hkv, g, t, -1).sum(2, dtype=acc).to(v.dtype)
 
-        # Every rank's dout, delta and lse. Padded rows are zero: their scores are 0, p = 1 and dp = delta = 0.
-        mine = _pad_t(torch.cat([dout, delta[..., None], lse[..., None]], dim=-1), tmax, 3)
-        theirs = _all_gather(mine, world, group)  # [W, Hkv, g, Tmax, Dv + 2]
-        theirs = theirs.permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, dv + 2)
-        dout_all, delta_all, lse_all = theirs[..., :dv], theirs[..., dv], theirs[..., dv + 1]
+        # Every rank's dout, delta (portable path) or out (kernels), and lse. Padded rows are zero: their scores are
+        # 0, p = 1 and dp = delta = 0.
+        middle = delta[..., None] if kind is None else out
+        mine = _pad_t(torch.cat([dout, middle, lse[..., None]], dim=-1), tmax, 3)
+        width = mine.shape[-1]
+        theirs = _all_gather(mine, world, group)  # [W, Hkv, g, Tmax, width]
+        theirs = theirs.permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, width)
+        dout_all, lse_all = theirs[..., :dv], theirs[..., -1]
+        delta_all = theirs[..., dv] if kind is None else None
+        out_all = None if kind is None else theirs[..., dv : 2 * dv]
         dq_all = torch.zeros(qall.shape, dtype=acc, device=q.device)
         prefix_grads = []
         for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
-            need = ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i]
-            dq_part, dpk, dpv = grads(qall, pk, pv, dout_all, delta_all, lse_all, causal=False, need_kv=need)
-            dq_all += dq_part
-            prefix_grads += [dpk, dpv]
+            need = ctx.needs_input_grad[6 + 2 * i] or ctx.needs_input_grad[7 + 2 * i]
+            prefix_grads += _part_backward(
+                kind, extras[i], qall, pk, pv, dout_all, out_all, lse_all, delta_all, scale, need, dq_all
+            )
+        if ctx.in_round:
+            # This rank's own keys, seen by the later ranks' queries of the round.
+            later = (shards.rank + 1) * tmax
+            rows = (slice(None), slice(None), slice(None), slice(later, None))
+            dq_later = torch.zeros(qall[rows].shape, dtype=acc, device=q.device)
+            dk_late, dv_late = _part_backward(
+                kind,
+                extras[len(prefix) // 2],
+                qall[rows].contiguous(),
+                k,
+                v,
+                dout_all[rows],
+                None if out_all is None else out_all[rows],
+                lse_all[rows],
+                None if delta_all is None else delta_all[rows],
+                scale,
+                True,
+                dq_later,
+            )
+            dq_all[rows] += dq_later
+            dk, dvv = dk + dk_late, dvv + dv_late
         # Each rank's share of every rank's query gradient goes back to the query owner.
         shares = dq_all.view(hkv, g, world, tmax, d).permute(2, 0, 1, 3, 4)
         dq = dq + _all_to_all(shares, group).sum(0, keepdim=True)[:, :, :, :t]
-        return None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
+        return None, None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
 
 
 def sharded_prefix_attention(
@@ -427,7 +560,8 @@ def sharded_prefix_attention(
         # apply) and the parts merge by all-reduce.
         return prefix_merge_attention(query, key, value, [kv for kv in prefix if kv is not None], scale, shards)
     flat = [x for kv in prefix if kv is not None for x in kv]
-    return _ShardedPrefixAttention.apply(scale, shards, query, key, value, *flat)
+    kind = _kernel_for(query, key, value)
+    return _ShardedPrefixAttention.apply(kind, scale, shards, query, key, value, *flat)
 
 
 def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
