@@ -5,7 +5,9 @@ and reads `longstraw/heldout_accuracy` (greedy exact match on prompts of the dem
 `trainer.state.log_history`: step 0 is the model after the supervised warm-up, before any GRPO step. Writes a table
 (`DEMO.md`), the curves (`DEMO.json`) and a plot (`plots/demo_accuracy.png`).
 
-    python benchmarks/demo_curve.py [--seeds 0,1,2,3,4,5] [--out benchmarks]
+    python benchmarks/demo_curve.py [--seeds 0,1,2,3,4,5] [--jobs 2] [--out benchmarks]
+
+`--jobs N` runs N seeds at a time, each in its own process (one thread each).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
 import platform
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,9 +104,12 @@ def write(runs: list[dict], out: Path, command: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", default="0,1,2,3,4,5", help="comma-separated seeds")
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run at a time, one process each")
     parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for DEMO.md, DEMO.json, plots/")
     args = parser.parse_args(argv)
-    runs = [run(int(s)) for s in args.seeds.split(",") if s]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        runs = list(pool.map(run, seeds))
     command = " ".join(["python benchmarks/demo_curve.py", *(sys.argv[1:] if argv is None else argv)])
     write(runs, Path(args.out), command)
 

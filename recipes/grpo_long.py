@@ -4,7 +4,7 @@
 With no arguments it runs a demo on CPU in about a minute (a few on a busy machine): the embedded default
 `TINY_CPU_DEFAULTS` below, the same settings as `recipes/configs/tiny_cpu.yaml`. A tiny random Llama trains on the
 `longstraw/needle` task with 384-token prompts prefilled in chunks of 128 (a progress bar shows the chunks), after
-a short supervised warm-up on 64-token needles (see `trl_longstraw.warmup`); GRPO then raises its greedy accuracy on
+a short supervised warm-up on 32-token needles (see `trl_longstraw.warmup`); GRPO then raises its greedy accuracy on
 held-out 384-token prompts, logged every 10 steps, and the run ends with a summary of the prompt positions, the peak
 memory, the mean reward of the first and last steps and the held-out accuracy at the start and the end.
 
@@ -55,7 +55,7 @@ TINY_CPU_DEFAULTS: dict = {
     "reward_funcs": ["retrieval_reward", "exact_match_reward"],
     "reward_weights": [1.0, 0.0],
     "warmup_sft_steps": 80,
-    "warmup_sft_prompt_tokens": 64,
+    "warmup_sft_prompt_tokens": 32,
     "heldout_prompts": 256,
     "heldout_steps": 10,
     "prompt_gradient": "exact",

@@ -125,7 +125,7 @@ def test_demo_learns_the_needle(tmp_path):
     held-out prompts of the demo's own length (384 tokens) by at least 0.2 from its value after the warm-up."""
     script = load_script()
     script_args, training_args, model_args = script.parse([])
-    assert script_args.prompt_tokens == 384 and script_args.warmup_sft_prompt_tokens == 64
+    assert script_args.prompt_tokens == 384 and script_args.warmup_sft_prompt_tokens == 32
     assert training_args.seed == 0 and script_args.heldout_prompts >= 200
     training_args.output_dir = str(tmp_path)
     trainer = script.main(script_args, training_args, model_args)

@@ -46,7 +46,7 @@ class LongStrawScriptArguments(ScriptArguments):
         warmup_sft_steps (`int`, *optional*, defaults to `0`):
             Built-in tasks only: supervised steps on the answers of short prompts of the task before GRPO starts
             (`trl_longstraw.warmup.supervised_warmup`); 0 for none.
-        warmup_sft_prompt_tokens (`int`, *optional*, defaults to `64`):
+        warmup_sft_prompt_tokens (`int`, *optional*, defaults to `32`):
             Prompt length, in tokens, of the warm-up's prompts.
         warmup_sft_batch_size (`int`, *optional*, defaults to `16`):
             Prompts per warm-up step.
@@ -92,7 +92,7 @@ class LongStrawScriptArguments(ScriptArguments):
         default=0,
         metadata={"help": "Built-in tasks: supervised steps on short prompts' answers before GRPO (0: none)."},
     )
-    warmup_sft_prompt_tokens: int = field(default=64, metadata={"help": "Prompt length of the warm-up, in tokens."})
+    warmup_sft_prompt_tokens: int = field(default=32, metadata={"help": "Prompt length of the warm-up, in tokens."})
     warmup_sft_batch_size: int = field(default=16, metadata={"help": "Prompts per warm-up step."})
     warmup_sft_learning_rate: float = field(default=3e-3, metadata={"help": "AdamW learning rate of the warm-up."})
     heldout_prompts: int = field(
