@@ -50,6 +50,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             processes. Experts are never all-gathered. Needs `shard_prompt_state=True` over all processes (the
             lockstep the experts' collectives need), must divide the number of processes and of experts, and
             checkpoints need `save_only_model=True`. `1`: off. See `trl_longstraw/expert_parallel.py`.
+        fsdp_cpu_offload (`bool`, *optional*, defaults to `False`):
+            With `expert_parallel_size > 1` (transformers shards the model): FSDP2's `CPUOffloadPolicy`, i.e. the
+            sharded parameters (the fp32 master weights when the model is loaded in fp32 and computes in bf16), their
+            gradients and the optimizer state live in host memory and the optimizer step runs on the CPU; each layer
+            is copied to the device when FSDP2 gathers it. Gradients are unchanged. Under accelerate's FSDP2 (no
+            expert parallelism) the same policy is accelerate's `fsdp_offload_params: true`
+            (`recipes/accelerate/fsdp2_offload.yaml`).
         on_nonfinite (`str`, *optional*, defaults to `"raise"`):
             What a micro-batch whose per-token log-probs, entropies, loss or loss gradient are NaN or infinite does,
             checked before anything is back-propagated into the parameters. `"raise"`: stop with a `FloatingPointError`
@@ -124,6 +131,14 @@ class LongStrawGRPOConfig(GRPOConfig):
             "all processes and save_only_model=True for checkpoints. 1: off."
         },
     )
+    fsdp_cpu_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "With expert_parallel_size > 1: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and "
+            "optimizer state in host memory, optimizer step on CPU). Under accelerate's FSDP2 use its "
+            "fsdp_offload_params: true instead."
+        },
+    )
     on_nonfinite: str = field(
         default="raise",
         metadata={
@@ -161,6 +176,12 @@ class LongStrawGRPOConfig(GRPOConfig):
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
             raise ValueError(
                 f"expert_parallel_size={ep!r} must be a positive number of ranks (1 turns expert parallelism off)."
+            )
+        if self.fsdp_cpu_offload and ep == 1:
+            raise ValueError(
+                "fsdp_cpu_offload=True applies to models that transformers shards at load time "
+                "(expert_parallel_size > 1). Under accelerate's FSDP2, set fsdp_offload_params: true in the "
+                "accelerate config instead (recipes/accelerate/fsdp2_offload.yaml) and fsdp_cpu_offload=False."
             )
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(

@@ -34,6 +34,11 @@ outputs summed) would fit the replicated passes without the duplicate expert com
 the ranks hold different completions; transformers also accepts it only when the EP group is a tensor-parallel group
 (`ep_size == tp_size`), which the engine does not use. So the trainer always asks for `"all_to_all"`.
 
+Host memory (`fsdp_cpu_offload: true`): transformers' `DistributedConfig(fsdp_cpu_offload=True)`, i.e. FSDP2's
+`CPUOffloadPolicy` on every `fully_shard` (experts included): the sharded parameters, their gradients and the
+optimizer state stay in host memory and the optimizer step runs on the CPU; FSDP2 copies each shard to the device
+when it gathers it. The engine's gathering is unchanged, and so are the gradients (tested bit for bit).
+
 Checkpoints: transformers cannot save the optimizer state of a model sharded at load time, so `save_only_model=True`
 (or `save_strategy="no"`) is required; the weights are gathered and saved whole.
 """
@@ -60,10 +65,16 @@ def num_experts(config) -> int | None:
     return None
 
 
-def distributed_config(world_size: int, ep_size: int) -> dict[str, Any]:
+def distributed_config(world_size: int, ep_size: int, cpu_offload: bool = False) -> dict[str, Any]:
     """The `distributed_config` of `from_pretrained` (as a dict, so that the training arguments stay serializable):
-    FSDP2 over all `world_size` processes and the experts spread over EP groups of `ep_size` ranks."""
-    return {"fsdp_size": world_size, "ep_size": ep_size, "ep_implementation": EP_IMPLEMENTATION}
+    FSDP2 over all `world_size` processes, with `CPUOffloadPolicy` if `cpu_offload`, and the experts spread over EP
+    groups of `ep_size` ranks."""
+    return {
+        "fsdp_size": world_size,
+        "ep_size": ep_size,
+        "ep_implementation": EP_IMPLEMENTATION,
+        "fsdp_cpu_offload": cpu_offload,
+    }
 
 
 def check_args(args, world_size: int) -> None:
@@ -96,11 +107,16 @@ def check_args(args, world_size: int) -> None:
             "state to resume from) or save_strategy='no'."
         )
     kwargs = args.model_init_kwargs or {}
-    if isinstance(kwargs, dict) and kwargs.get("distributed_config") is not None:
-        raise ValueError(
-            "expert_parallel_size sets model_init_kwargs['distributed_config'] itself: remove distributed_config from "
-            "model_init_kwargs."
-        )
+    given = kwargs.get("distributed_config") if isinstance(kwargs, dict) else None
+    expected = distributed_config(world_size, ep, args.fsdp_cpu_offload)
+    if given is not None:
+        given = given if isinstance(given, dict) else given.to_dict()
+        if any(given.get(key) != value for key, value in expected.items()):
+            raise ValueError(
+                f"model_init_kwargs['distributed_config']={given} does not match expert_parallel_size={ep} and "
+                f"fsdp_cpu_offload={args.fsdp_cpu_offload} on {world_size} processes: remove distributed_config from "
+                "model_init_kwargs (the trainer sets it)."
+            )
 
 
 def check_model_config(config, ep_size: int) -> None:
@@ -123,19 +139,27 @@ def check_model_config(config, ep_size: int) -> None:
         )
 
 
-def model_init_kwargs(args, world_size: int) -> dict[str, Any]:
-    """`args.model_init_kwargs` with the `distributed_config` that loads a model expert-parallel over `world_size`
-    processes (TRL loads the policy and the reference model with them)."""
-    kwargs = dict(args.model_init_kwargs or {})
-    kwargs["distributed_config"] = distributed_config(world_size, args.expert_parallel_size)
+def model_init_kwargs(args, world_size: int, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`kwargs` (by default `args.model_init_kwargs`) with the `distributed_config` that loads a model
+    expert-parallel over `world_size` processes (TRL loads the policy given by name and the reference model with
+    `args.model_init_kwargs`)."""
+    kwargs = dict((args.model_init_kwargs if kwargs is None else kwargs) or {})
+    kwargs["distributed_config"] = distributed_config(world_size, args.expert_parallel_size, args.fsdp_cpu_offload)
     return kwargs
 
 
-def check_loaded(model: torch.nn.Module, ep_size: int, role: str = "model") -> None:
+def check_loaded(model: torch.nn.Module, ep_size: int, cpu_offload: bool = False, role: str = "model") -> None:
     """Raises ValueError if `model` (a `PreTrainedModel`) was not loaded expert-parallel over `ep_size` ranks with
-    the all-to-all implementation (e.g. an instance built without `distributed_config`)."""
+    the all-to-all implementation, and with FSDP2's CPU offload if `cpu_offload` (e.g. an instance built without
+    `distributed_config`)."""
     config = getattr(model.config, "distributed_config", None)
     loaded = getattr(model, "is_distributed_loading_by_transformers", False) and config is not None
+    if loaded and config.fsdp_cpu_offload != cpu_offload:
+        raise ValueError(
+            f"fsdp_cpu_offload={cpu_offload}, but the {role} was loaded with "
+            f"DistributedConfig(fsdp_cpu_offload={config.fsdp_cpu_offload}): load it with the same setting, or pass "
+            "the model's name or path and let the trainer load it."
+        )
     if not loaded or config.ep_size != ep_size or config.ep_implementation != EP_IMPLEMENTATION:
         raise ValueError(
             f"expert_parallel_size={ep_size}, but the {role} was not loaded expert-parallel over {ep_size} ranks: "

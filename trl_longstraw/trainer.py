@@ -136,9 +136,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         adapter = get_adapter(_causal_lm(self.model))
         if self.args.expert_parallel_size > 1:
-            expert_parallel.check_loaded(_causal_lm(self.model), self.args.expert_parallel_size)
+            ep, offload = self.args.expert_parallel_size, self.args.fsdp_cpu_offload
+            expert_parallel.check_loaded(_causal_lm(self.model), ep, offload)
             if self.ref_model is not None:
-                expert_parallel.check_loaded(self.ref_model, self.args.expert_parallel_size, role="reference model")
+                expert_parallel.check_loaded(self.ref_model, ep, offload, role="reference model")
         guards.check_dropout(self.model, self.ref_model)
         rotary_modules(_causal_lm(self.model))  # refuses per-call RoPE that the engine cannot pin
         if self.args.shard_prompt_state and not getattr(adapter, "shards_prompt_state", False):
@@ -150,10 +151,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             get_adapter(_causal_lm(self.ref_model))
         self._shared_generation = False
         if self.args.shared_generation and not self.use_vllm and not self.use_transformers_continuous_batching:
-            if self.args.shard_prompt_state:
+            if self.args.shard_prompt_state and not getattr(adapter, "decodes_sharded", False):
                 logger.warning(
-                    "shared_generation does not decode against a sharded prompt state yet: with "
-                    "shard_prompt_state=True, generation runs through transformers' generate."
+                    f"model_type {_causal_lm(self.model).config.model_type!r} does not decode against a sharded "
+                    "prompt state yet: with shard_prompt_state=True, generation runs through transformers' generate."
                 )
             elif hasattr(adapter, "decode_tail"):
                 check_generation_config(self.generation_config)
@@ -740,8 +741,9 @@ def _prepare_expert_parallel(model, args: LongStrawGRPOConfig) -> None:
         config = AutoConfig.from_pretrained(model, revision=kwargs.get("revision"), trust_remote_code=remote)
         expert_parallel.check_model_config(config, args.expert_parallel_size)
     else:
-        expert_parallel.check_loaded(_causal_lm(model), args.expert_parallel_size)
-    args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
+        expert_parallel.check_loaded(_causal_lm(model), args.expert_parallel_size, args.fsdp_cpu_offload)
+    if isinstance(model, str) or args.beta != 0.0:  # what TRL loads with them: the policy by name, the reference
+        args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
 
 
 def _check_args(args: LongStrawGRPOConfig) -> None:
