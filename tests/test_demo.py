@@ -101,6 +101,8 @@ def test_warmup_and_heldout_need_a_builtin_task():
     for name in ("warmup_sft_steps", "heldout_prompts"):
         with pytest.raises(ValueError, match="built-in task"):
             LongStrawScriptArguments(dataset_name="some/dataset", **{name: 8})
+        with pytest.raises(ValueError, match="plain-text prompts"):
+            LongStrawScriptArguments(conversational=True, **{name: 8})
     LongStrawScriptArguments(dataset_name="longstraw/needle", warmup_sft_steps=8, heldout_prompts=8)
 
 

@@ -107,6 +107,11 @@ class LongStrawScriptArguments(ScriptArguments):
                 f"warmup_sft_steps and heldout_prompts build prompts of a built-in task ({', '.join(TASK_NAMES)}), "
                 f"not of {self.dataset_name!r}: set them to 0, or use a built-in task."
             )
+        if (self.warmup_sft_steps or self.heldout_prompts) and self.conversational:
+            raise ValueError(
+                "warmup_sft_steps and heldout_prompts read plain-text prompts, not conversations: set them to 0 with "
+                "conversational, or leave conversational off."
+            )
 
 
 def make_parser() -> TrlParser:
