@@ -123,11 +123,13 @@ def test_fewer_processes_than_asked_warns(caplog):
 
 # ------------------------------------------------------------------------------------------------ saving, resuming
 def small(tmp_path, *flags: str) -> list[str]:
-    """The tiny config's arguments, cut down to a few seconds a step (64-token prompts in 2 chunks, groups of 4)."""
+    """The tiny config's arguments, cut down to a few seconds a step (64-token prompts in 2 chunks, groups of 4; no
+    warm-up or held-out accuracy, which tests/test_demo.py covers)."""
     return [
         "--config", str(TINY), "--output_dir", str(tmp_path), "--prompt_tokens", "64", "--prefill_chunk_size", "32",
         "--num_prompts", "8", "--num_generations", "4", "--per_device_train_batch_size", "4",
-        "--gradient_accumulation_steps", "1", "--prefill_progress", "false", *flags,
+        "--gradient_accumulation_steps", "1", "--prefill_progress", "false", "--warmup_sft_steps", "0",
+        "--heldout_prompts", "0", *flags,
     ]  # fmt: skip
 
 

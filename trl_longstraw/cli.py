@@ -27,6 +27,7 @@ from .config import LongStrawGRPOConfig
 from .recipe import (
     TINY_MODEL_PREFIX,
     LongStrawScriptArguments,
+    add_heldout_accuracy,
     build_dataset,
     check_rope_override,
     format_summary,
@@ -35,6 +36,7 @@ from .recipe import (
     resolve_model_path,
     reward_function,
     summarize,
+    warm_up,
 )
 from .tasks import TASK_NAMES
 from .trainer import LongStrawGRPOTrainer
@@ -263,6 +265,8 @@ def train(
     )
     # GRPOTrainer reads model_init_kwargs again only to build a reference model (beta > 0): give it the policy's.
     training_args.model_init_kwargs = model_init_kwargs if training_args.beta != 0.0 else None
+    if resume is None:  # a resumed run loads its trained weights from the checkpoint
+        warm_up(script_args, model, tokenizer, seed=training_args.seed)
 
     trainer = LongStrawGRPOTrainer(
         model=model,
@@ -273,6 +277,7 @@ def train(
         peft_config=get_peft_config(model_args),
     )
     trainer.base_model_name = model_args.model_name_or_path  # for the model card: not the tiny model's folder
+    add_heldout_accuracy(trainer, script_args, seed=training_args.seed)
     trainer.train(resume_from_checkpoint=resume)
 
     summary = summarize(trainer.state.log_history)
