@@ -1,7 +1,7 @@
 """Expert parallelism through transformers (`expert_parallel_size`): settings checks, and 2-process CPU (gloo) runs
 of a tiny glm_moe_dsa and a tiny qwen3_moe (4 experts per MoE layer, 2 per rank) with the prompt state sharded over
-both ranks, against single-process gradients of the same global batch: stock `GRPOTrainer` in exact mode, the
-single-process engine in detached mode."""
+both ranks, and in data parallelism (no sharded state, different prompts per rank), against single-process gradients
+of the same global batch: stock `GRPOTrainer` in exact mode, the single-process engine in detached mode."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import pytest
 import torch
 from datasets import Dataset
 from dist_worker import make_batches, trainer_config
+from ep_worker import LORA, lora_grads, set_lora_weights
+from peft import LoraConfig
 from tolerances import SHARDED_GRAD_RTOL
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
@@ -34,8 +36,14 @@ from trl_longstraw.testing import build_tokenizer, save_tiny_model, tiny_config
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds for the whole 2-process launch; ~30 s on 2 busy cores.
 LAUNCH_TIMEOUT = 300
-RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached"]
+RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached", "ep_lora_exact", "ep_dp_exact", "ep_dp_detached"]
 FAMILIES = ["glm_moe_dsa", "qwen3_moe"]
+# Run with FSDP2's CPU offload -> the same run without it.
+OFFLOADED = {
+    "ep_exact_offload": "ep_exact",
+    "fsdp2_data_parallel_offload": "fsdp2_data_parallel",
+    "fsdp2_per_pass_offload": "fsdp2_per_pass",
+}
 # Tiny qwen3_moe: 4 experts (2 per token) in both layers, as the tiny glm_moe_dsa's MoE layers.
 QWEN3_MOE_TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.0)
 
@@ -79,7 +87,6 @@ def _stock_batch(batch: dict) -> dict:
 def reference(launch):
     """Single-process gradients of the global micro-batch `S`: `{run: {param: grad or None}}`."""
     path, batches, _ = launch
-    batch = _stock_batch(batches["S"])
     settings = dict(
         per_device_train_batch_size=4,
         max_completion_length=9,
@@ -92,7 +99,7 @@ def reference(launch):
     )
     dataset = Dataset.from_dict({"prompt": ["a"] * 8})
 
-    def grads(trainer, checkpointing: bool = False) -> dict[str, torch.Tensor | None]:
+    def grads(trainer, checkpointing: bool = False, key: str = "S") -> dict[str, torch.Tensor | None]:
         trainer._prepare_inputs = lambda x: x
         trainer.current_gradient_accumulation_steps = 1
         if checkpointing:
@@ -100,17 +107,24 @@ def reference(launch):
         else:
             trainer.model.gradient_checkpointing_disable()
         trainer.model.zero_grad(set_to_none=True)
-        trainer.training_step(trainer.model, dict(batch), batch["num_items_in_batch"])
+        batch = _stock_batch(batches[key])
+        trainer.training_step(trainer.model, batch, batch["num_items_in_batch"])
         return {n: None if p.grad is None else p.grad.clone() for n, p in trainer.model.named_parameters()}
 
     stock_args = GRPOConfig(output_dir=tempfile.mkdtemp(), **settings)
     stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset)
     refs = {"ep_exact": grads(stock), "ep_exact_checkpointing": grads(stock, checkpointing=True)}
+    refs["ep_dp_exact"] = grads(stock, key="B")
+    stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset, peft_config=LoraConfig(**LORA))
+    set_lora_weights(stock.model)
+    grads(stock)
+    refs["ep_lora_exact"] = lora_grads(stock.model)
     ours = LongStrawGRPOTrainer(
         str(path), _reward, trainer_config(tempfile.mkdtemp(), num_generations=2), train_dataset=dataset
     )
     ours.args.prompt_gradient = "detached"
     refs["ep_detached"] = grads(ours)
+    refs["ep_dp_detached"] = grads(ours, key="B")
     return refs
 
 
@@ -120,10 +134,14 @@ def reference(launch):
 def test_expert_parallel_gradients_match_single_process(launch, reference, run):
     """Every parameter's gradient, experts included (gathered from the ranks for the comparison only), equals the
     single-process one of the same global batch: stock GRPOTrainer's in exact mode (with and without gradient
-    checkpointing), the unsharded engine's in detached mode."""
+    checkpointing, and with LoRA adapters on the attention outputs, whose gradients the Trainer averages itself), the
+    unsharded engine's in detached mode."""
     got, expected = launch[2][run], reference[run]
     assert set(got) == set(expected)
-    assert any(".experts." in name and g is not None for name, g in expected.items())
+    if run == "ep_lora_exact":
+        assert expected and all(g is not None for g in expected.values())
+    else:
+        assert any(".experts." in name and g is not None for name, g in expected.items())
     for name, ref in expected.items():
         if ref is None:  # the DSA indexer, which runs without autograd as in stock
             assert got[name] is None or not got[name].any(), f"{run}: {name} got a gradient, stock has none"
@@ -152,12 +170,44 @@ def test_experts_are_never_gathered(launch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-@pytest.mark.parametrize("run", RUNS)
-def test_expert_parallel_collectives_equal_across_ranks(launch, run):
-    """Both ranks issue the same collectives in the same order, the experts' all-to-alls included."""
+@pytest.mark.parametrize("run", sorted(set(RUNS) | set(OFFLOADED) | set(OFFLOADED.values())))
+def test_collectives_equal_across_ranks(launch, run):
+    """Both ranks issue the same collectives in the same order; all-to-alls (the sharded state's) exactly when the
+    prompt state is sharded. transformers binds the experts' `all_to_all_single` at import, so the counting wrapper
+    does not see those: `test_experts_are_never_gathered` and the gradients show the experts exchange tokens."""
     rank0, rank1 = (per_rank[run] for per_rank in launch[2]["collectives"])
     assert rank0 == rank1
-    assert "all_to_all_single" in {name for name, _ in rank0}
+    sharded = (run.startswith("ep_") and not run.startswith("ep_dp")) or "per_pass" in run
+    assert ("all_to_all_single" in {name for name, _ in rank0}) == sharded
+    if not sharded:  # data parallelism: FSDP2 gathers layer by layer in the engine's data-parallel lockstep
+        assert "all_gather_single" in {name for name, _ in rank0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("run", list(OFFLOADED))
+def test_cpu_offload_gradients_identical(launch, run):
+    """FSDP2's CPUOffloadPolicy (`fsdp_cpu_offload` under expert parallelism; accelerate's `fsdp_offload_params`
+    otherwise, in the engine's data-parallel and sharded lockstep) gives bit for bit the gradients and the collectives
+    of the same step without it."""
+    results = launch[2]
+    ours, kept = results[run], results[OFFLOADED[run]]
+    assert set(ours) == set(kept)
+    assert any(g is not None for g in kept.values())
+    for name, g in kept.items():
+        assert (g is None and ours[name] is None) or torch.equal(ours[name], g), name
+    for per_rank in results["collectives"]:
+        assert per_rank[run] == per_rank[OFFLOADED[run]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_cpu_offload_is_active(launch):
+    """Every FSDP2 parameter of the offloaded models (transformers' EP loading with `fsdp_cpu_offload`, and
+    `fully_shard` with `CPUOffloadPolicy`) is offloaded, and the local shards and their gradients are on the CPU
+    after the step (on a CPU-only machine every tensor is, so the flag is what tells the runs apart there)."""
+    for per_rank in launch[2]["offload"]:
+        assert per_rank == {"ep": True, "ep_devices": ["cpu"], "fsdp2": True, "fsdp2_devices": ["cpu"]}
 
 
 # ------------------------------------------------------------------------------------------------- settings checks
@@ -181,14 +231,20 @@ def test_expert_parallel_size_must_be_positive():
         _args(expert_parallel_size=0)
 
 
+def test_fsdp_cpu_offload_without_expert_parallelism_refused():
+    """Under accelerate's FSDP2 the offload is accelerate's own setting: the message names it."""
+    with pytest.raises(ValueError, match="fsdp_offload_params: true"):
+        _args(expert_parallel_size=1, fsdp_cpu_offload=True)
+
+
 @pytest.mark.parametrize(
     ("overrides", "world", "match"),
     [
         ({"expert_parallel_size": 3}, 4, "must divide the number of processes"),
-        ({"shard_prompt_state": False}, 2, "shard_prompt_state=True with prompt_shard_group_size=0"),
-        ({"prompt_shard_group_size": 2}, 4, "shard_prompt_state=True with prompt_shard_group_size=0"),
+        ({"prompt_shard_group_size": 2}, 4, "set prompt_shard_group_size=0"),
         ({"save_only_model": False}, 2, "save_only_model=True"),
         ({"model_init_kwargs": {"distributed_config": {"ep_size": 2}}}, 2, "remove distributed_config"),
+        ({"model_init_kwargs": {"distributed_config": distributed_config(4, 2)}}, 2, "remove distributed_config"),
     ],
 )
 def test_check_args_refuses(overrides, world, match):
@@ -200,7 +256,10 @@ def test_check_args_accepts():
     check_args(_args(), 2)
     check_args(_args(prompt_shard_group_size=4, expert_parallel_size=2), 4)  # the group of all 4 processes
     check_args(_args(save_only_model=False, save_strategy="no"), 2)
+    check_args(_args(model_init_kwargs={"distributed_config": distributed_config(2, 2)}), 2)  # the recipe's
     check_args(_args(expert_parallel_size=1, shard_prompt_state=False, save_only_model=False), 2)
+    check_args(_args(shard_prompt_state=False), 2)  # data parallelism: the engine's data-parallel lockstep
+    check_args(_args(shard_prompt_state=False, prompt_shard_group_size=2), 4)  # groups unused without sharding
 
 
 def test_check_model_config():
@@ -213,7 +272,13 @@ def test_check_model_config():
         check_model_config(glm, 8)
     with pytest.raises(ValueError, match="has no experts to spread"):
         check_model_config(tiny_config("llama", vocab), 2)
-    assert distributed_config(8, 4) == {"fsdp_size": 8, "ep_size": 4, "ep_implementation": "all_to_all"}
+    assert distributed_config(8, 4) == {
+        "fsdp_size": 8,
+        "ep_size": 4,
+        "ep_implementation": "all_to_all",
+        "fsdp_cpu_offload": False,
+    }
+    assert distributed_config(8, 8, cpu_offload=True)["fsdp_cpu_offload"] is True
 
 
 def test_model_not_loaded_expert_parallel_refused(tiny_model_path):

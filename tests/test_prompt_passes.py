@@ -126,8 +126,8 @@ def test_prompt_passes_peft_reference_is_the_same_model(tiny_model_path):
     assert stock_steps[0] == {"policy": [4 * G] * 2}
 
 
-# Families whose shared-prompt generation decodes against the engine's prompt state.
-DECODING_FAMILIES = ["llama", "qwen3_5"]
+# Every family decodes against the engine's prompt state.
+DECODING_FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
 
 
 @pytest.mark.slow

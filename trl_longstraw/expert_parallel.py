@@ -16,11 +16,14 @@ library's, maintained with the models; the engine only has to run the model's la
 accept.
 
 How it fits the engine's passes. The experts' all-to-alls are collectives of the EP group inside every MoE layer's
-forward and backward, so every rank of an EP group must run the same passes in the same order. The sharded prompt
-state over all processes (`shard_prompt_state=True`, `prompt_shard_group_size: 0`) gives exactly that lockstep: every
-rank runs every prefill and reverse chunk, and branches in rounds (a rank short of completions runs a zero-weight
-one-token branch). It also makes FSDP2 gather the other parameters layer by layer (`distributed.fsdp2_gathered`
-with `per_pass`), so no rank ever holds the whole model. Both are required.
+forward and backward, so every rank of an EP group must run the same passes in the same order. Two settings give that
+lockstep. The sharded prompt state over all processes (`shard_prompt_state=True`, `prompt_shard_group_size: 0`):
+every rank runs every prefill and reverse chunk, and branches in rounds (a rank short of completions runs a
+zero-weight one-token branch). Or no sharded state (data parallelism, each rank its own prompts): the engine's
+data-parallel lockstep agrees on the number of passes of each kind per prompt and pads with one-token filler passes
+(`Engine.lockstep`); an all-to-all exchanges whatever tokens each rank routes. Either also makes FSDP2 gather the other
+parameters layer by layer (`distributed.fsdp2_gathered` with `per_pass`), so no rank ever holds the whole model.
+Shard groups smaller than the world run different passes and are refused.
 
 - *Replicated passes* (prefill and reverse chunks): every rank sends the same chunk tokens to the experts, so an
   expert's rank computes them once per rank of the group (the token-wise compute of these passes is replicated
@@ -33,6 +36,11 @@ transformers' `ep_implementation="all_reduce"` (every rank runs its own experts 
 outputs summed) would fit the replicated passes without the duplicate expert compute, but not the branch rounds, where
 the ranks hold different completions; transformers also accepts it only when the EP group is a tensor-parallel group
 (`ep_size == tp_size`), which the engine does not use. So the trainer always asks for `"all_to_all"`.
+
+Host memory (`fsdp_cpu_offload: true`): transformers' `DistributedConfig(fsdp_cpu_offload=True)`, i.e. FSDP2's
+`CPUOffloadPolicy` on every `fully_shard` (experts included): the sharded parameters, their gradients and the
+optimizer state stay in host memory and the optimizer step runs on the CPU; FSDP2 copies each shard to the device
+when it gathers it. The engine's gathering is unchanged, and so are the gradients (tested bit for bit).
 
 Checkpoints: transformers cannot save the optimizer state of a model sharded at load time, so `save_only_model=True`
 (or `save_strategy="no"`) is required; the weights are gathered and saved whole.
@@ -60,19 +68,25 @@ def num_experts(config) -> int | None:
     return None
 
 
-def distributed_config(world_size: int, ep_size: int) -> dict[str, Any]:
+def distributed_config(world_size: int, ep_size: int, cpu_offload: bool = False) -> dict[str, Any]:
     """The `distributed_config` of `from_pretrained` (as a dict, so that the training arguments stay serializable):
-    FSDP2 over all `world_size` processes and the experts spread over EP groups of `ep_size` ranks."""
-    return {"fsdp_size": world_size, "ep_size": ep_size, "ep_implementation": EP_IMPLEMENTATION}
+    FSDP2 over all `world_size` processes, with `CPUOffloadPolicy` if `cpu_offload`, and the experts spread over EP
+    groups of `ep_size` ranks."""
+    return {
+        "fsdp_size": world_size,
+        "ep_size": ep_size,
+        "ep_implementation": EP_IMPLEMENTATION,
+        "fsdp_cpu_offload": cpu_offload,
+    }
 
 
 def check_args(args, world_size: int) -> None:
     """The settings expert parallelism needs, before anything is loaded. `args` is a `LongStrawGRPOConfig`.
 
     Raises:
-        ValueError: naming the fix, when the EP size does not divide the processes, the prompt state is not sharded
-            over all of them (the lockstep the experts' collectives need), or checkpoints would need the optimizer
-            state.
+        ValueError: naming the fix, when the EP size does not divide the processes, the prompt state is sharded over
+            groups smaller than the world (which run different passes, where the experts' collectives need the same
+            ones), or checkpoints would need the optimizer state.
     """
     ep = args.expert_parallel_size
     if ep <= 1:
@@ -83,11 +97,12 @@ def check_args(args, world_size: int) -> None:
             f"(8), or all {world_size} processes."
         )
     group = args.prompt_shard_group_size
-    if not args.shard_prompt_state or group not in (0, world_size):
+    if args.shard_prompt_state and group not in (0, world_size):
         raise ValueError(
             "expert_parallel_size > 1 needs every rank to run the same passes in the same order (the experts' "
-            "all-to-alls are collectives inside every MoE layer): set shard_prompt_state=True with "
-            "prompt_shard_group_size=0 (one shard group of all processes)."
+            f"all-to-alls are collectives inside every MoE layer), which shard groups of {group} of {world_size} "
+            "processes do not: set prompt_shard_group_size=0 (one shard group of all processes), or "
+            "shard_prompt_state=False (data parallelism, whose ranks agree on equal pass counts)."
         )
     if args.save_strategy != "no" and not args.save_only_model:
         raise ValueError(
@@ -96,11 +111,16 @@ def check_args(args, world_size: int) -> None:
             "state to resume from) or save_strategy='no'."
         )
     kwargs = args.model_init_kwargs or {}
-    if isinstance(kwargs, dict) and kwargs.get("distributed_config") is not None:
-        raise ValueError(
-            "expert_parallel_size sets model_init_kwargs['distributed_config'] itself: remove distributed_config from "
-            "model_init_kwargs."
-        )
+    given = kwargs.get("distributed_config") if isinstance(kwargs, dict) else None
+    expected = distributed_config(world_size, ep, args.fsdp_cpu_offload)
+    if given is not None:
+        given = given if isinstance(given, dict) else given.to_dict()
+        if any(given.get(key) != value for key, value in expected.items()):
+            raise ValueError(
+                f"model_init_kwargs['distributed_config']={given} does not match expert_parallel_size={ep} and "
+                f"fsdp_cpu_offload={args.fsdp_cpu_offload} on {world_size} processes: remove distributed_config from "
+                "model_init_kwargs (the trainer sets it)."
+            )
 
 
 def check_model_config(config, ep_size: int) -> None:
@@ -123,19 +143,27 @@ def check_model_config(config, ep_size: int) -> None:
         )
 
 
-def model_init_kwargs(args, world_size: int) -> dict[str, Any]:
-    """`args.model_init_kwargs` with the `distributed_config` that loads a model expert-parallel over `world_size`
-    processes (TRL loads the policy and the reference model with them)."""
-    kwargs = dict(args.model_init_kwargs or {})
-    kwargs["distributed_config"] = distributed_config(world_size, args.expert_parallel_size)
+def model_init_kwargs(args, world_size: int, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`kwargs` (by default `args.model_init_kwargs`) with the `distributed_config` that loads a model
+    expert-parallel over `world_size` processes (TRL loads the policy given by name and the reference model with
+    `args.model_init_kwargs`)."""
+    kwargs = dict((args.model_init_kwargs if kwargs is None else kwargs) or {})
+    kwargs["distributed_config"] = distributed_config(world_size, args.expert_parallel_size, args.fsdp_cpu_offload)
     return kwargs
 
 
-def check_loaded(model: torch.nn.Module, ep_size: int, role: str = "model") -> None:
+def check_loaded(model: torch.nn.Module, ep_size: int, cpu_offload: bool = False, role: str = "model") -> None:
     """Raises ValueError if `model` (a `PreTrainedModel`) was not loaded expert-parallel over `ep_size` ranks with
-    the all-to-all implementation (e.g. an instance built without `distributed_config`)."""
+    the all-to-all implementation, and with FSDP2's CPU offload if `cpu_offload` (e.g. an instance built without
+    `distributed_config`)."""
     config = getattr(model.config, "distributed_config", None)
     loaded = getattr(model, "is_distributed_loading_by_transformers", False) and config is not None
+    if loaded and config.fsdp_cpu_offload != cpu_offload:
+        raise ValueError(
+            f"fsdp_cpu_offload={cpu_offload}, but the {role} was loaded with "
+            f"DistributedConfig(fsdp_cpu_offload={config.fsdp_cpu_offload}): load it with the same setting, or pass "
+            "the model's name or path and let the trainer load it."
+        )
     if not loaded or config.ep_size != ep_size or config.ep_implementation != EP_IMPLEMENTATION:
         raise ValueError(
             f"expert_parallel_size={ep_size}, but the {role} was not loaded expert-parallel over {ep_size} ranks: "

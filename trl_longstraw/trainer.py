@@ -141,9 +141,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         adapter = get_adapter(_causal_lm(self.model))
         if self.args.expert_parallel_size > 1:
-            expert_parallel.check_loaded(_causal_lm(self.model), self.args.expert_parallel_size)
+            ep, offload = self.args.expert_parallel_size, self.args.fsdp_cpu_offload
+            expert_parallel.check_loaded(_causal_lm(self.model), ep, offload)
             if self.ref_model is not None:
-                expert_parallel.check_loaded(self.ref_model, self.args.expert_parallel_size, role="reference model")
+                expert_parallel.check_loaded(self.ref_model, ep, offload, role="reference model")
         guards.check_dropout(self.model, self.ref_model)
         rotary_modules(_causal_lm(self.model))  # refuses per-call RoPE that the engine cannot pin
         if self.args.shard_prompt_state and not getattr(adapter, "shards_prompt_state", False):
@@ -155,10 +156,17 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             get_adapter(_causal_lm(self.ref_model))
         self._shared_generation = False
         if self.args.shared_generation and not self.use_vllm and not self.use_transformers_continuous_batching:
-            if self.args.shard_prompt_state:
+            if self.args.shard_prompt_state and not getattr(adapter, "decodes_sharded", False):
                 logger.warning(
-                    "shared_generation does not decode against a sharded prompt state yet: with "
-                    "shard_prompt_state=True, generation runs through transformers' generate."
+                    f"model_type {_causal_lm(self.model).config.model_type!r} does not decode against a sharded "
+                    "prompt state yet: with shard_prompt_state=True, generation runs through transformers' generate."
+                )
+            elif hasattr(adapter, "decode_tail") and self.is_fsdp_enabled and not self._generation_in_lockstep():
+                logger.warning(
+                    "under FSDP, transformers' generate runs every process in lockstep (synced_gpus), which shared-"
+                    "prompt generation does only with the prompt state sharded over every process "
+                    "(shard_prompt_state=True, prompt_shard_group_size=0): generation runs through transformers' "
+                    "generate."
                 )
             elif hasattr(adapter, "decode_tail"):
                 check_generation_config(self.generation_config)
@@ -168,6 +176,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     f"model_type {_causal_lm(self.model).config.model_type!r} has no shared-prompt decoding yet: "
                     "generation runs through transformers' generate, which prefills each prompt G times."
                 )
+
+    def _generation_in_lockstep(self) -> bool:
+        """Whether every process decodes in one lockstep (a single process, or the prompt state sharded over all)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return True
+        return self._prompt_shards is not None and self._prompt_shards.world == dist.get_world_size()
 
     def _check_dataset(self) -> None:
         """The training dataset's prompt column, and its longest prompts against the model's RoPE window.
@@ -415,9 +429,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
         In training, the loss pass that follows with the same weights (`num_iterations=1`, or the first iteration)
         takes them instead of prefilling again (`Engine.offer`); exact mode needs the recurrent chunk boundaries.
-        Not with per-call RoPE (dynamic, longrope): generation pins other frequencies than the loss pass.
+        Not with per-call RoPE (dynamic, longrope): generation pins other frequencies than the loss pass. Not with a
+        sharded prompt state: the ranks of a shard group prefill together, so they must agree on which prompts they
+        take, and which prompts have no left padding differs from rank to rank.
         """
-        if not self.model.training or engine.rope.modules:
+        if not self.model.training or engine.rope.modules or self._prompt_shards is not None:
             return None
         return self.args.prompt_gradient == "exact"
 
@@ -782,8 +798,9 @@ def _prepare_expert_parallel(model, args: LongStrawGRPOConfig) -> None:
         config = AutoConfig.from_pretrained(model, revision=kwargs.get("revision"), trust_remote_code=remote)
         expert_parallel.check_model_config(config, args.expert_parallel_size)
     else:
-        expert_parallel.check_loaded(_causal_lm(model), args.expert_parallel_size)
-    args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
+        expert_parallel.check_loaded(_causal_lm(model), args.expert_parallel_size, args.fsdp_cpu_offload)
+    if isinstance(model, str) or args.beta != 0.0:  # what TRL loads with them: the policy by name, the reference
+        args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
 
 
 def _check_args(args: LongStrawGRPOConfig) -> None:
