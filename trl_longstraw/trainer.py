@@ -156,6 +156,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     "shared_generation does not decode against a sharded prompt state yet: with "
                     "shard_prompt_state=True, generation runs through transformers' generate."
                 )
+            elif self.args.expert_parallel_size > 1:
+                # The experts' all-to-alls need every rank to decode the same number of steps, which transformers'
+                # generate arranges for a model it sharded (synced_gpus) and the shared-prompt decoding does not.
+                logger.warning(
+                    "shared_generation does not decode in lockstep across processes yet: with expert_parallel_size > "
+                    "1, generation runs through transformers' generate (synced_gpus)."
+                )
             elif hasattr(adapter, "decode_tail"):
                 check_generation_config(self.generation_config)
                 self._shared_generation = True
