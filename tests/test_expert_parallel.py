@@ -11,9 +11,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from datasets import Dataset
 from dist_worker import make_batches, trainer_config
 from ep_worker import LORA, lora_grads, set_lora_weights
@@ -32,6 +34,7 @@ from trl_longstraw.expert_parallel import (
     num_experts,
 )
 from trl_longstraw.testing import build_tokenizer, save_tiny_model, tiny_config
+from trl_longstraw.trainer import _prepare_expert_parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds for the whole 2-process launch; ~30 s on 2 busy cores.
@@ -299,3 +302,32 @@ def test_trainer_checks_before_loading(tiny_model_path):
         LongStrawGRPOTrainer(
             str(tiny_model_path("glm_moe_dsa")), _reward, _args(), train_dataset=Dataset.from_dict({"prompt": ["a"]})
         )
+
+
+@pytest.mark.parametrize("kind", [DistributedType.FSDP, DistributedType.DEEPSPEED])
+def test_accelerate_sharding_refused(kind):
+    """transformers shards an expert-parallel model as it loads it: an accelerate config that would shard it again is
+    refused before anything is loaded, naming the launch config to use."""
+    args = SimpleNamespace(distributed_state=SimpleNamespace(distributed_type=kind))
+    with pytest.raises(ValueError, match="recipes/accelerate/expert_parallel.yaml"):
+        _prepare_expert_parallel("unused", args)
+
+
+def test_model_init_kwargs_for_trl(tiny_model_path):
+    """TRL loads the policy given by name, and the reference model, with `args.model_init_kwargs`: the trainer adds
+    the distributed_config to them (and checks the model's experts first); a policy instance with beta = 0 needs
+    none."""
+    args = SimpleNamespace(
+        distributed_state=SimpleNamespace(distributed_type=DistributedType.MULTI_GPU),
+        model_init_kwargs={"dtype": "float32"},
+        trust_remote_code=False,
+        expert_parallel_size=2,
+        fsdp_cpu_offload=False,
+        world_size=4,
+        beta=0.0,
+    )
+    _prepare_expert_parallel(str(tiny_model_path("glm_moe_dsa")), args)
+    assert args.model_init_kwargs == {"dtype": "float32", "distributed_config": distributed_config(4, 2)}
+    args.expert_parallel_size = 8
+    with pytest.raises(ValueError, match="must divide the 4 experts"):
+        _prepare_expert_parallel(str(tiny_model_path("glm_moe_dsa")), args)
