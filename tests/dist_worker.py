@@ -7,16 +7,22 @@ runs these scenarios on them:
 - `ddp_exact`: DDP, exact mode, micro-batch `A` under `no_sync` (gradient accumulation), then `B` synchronized;
 - `ddp_detached`: DDP, detached mode, `B`;
 - `fsdp2_exact`: `fully_shard` on every decoder layer and the root, exact mode, `A` under
-  `set_requires_gradient_sync(False)`, then `B`;
+  `set_requires_gradient_sync(False)`, then `B`: the ranks run different work, so the engine's data-parallel
+  lockstep pads their passes to equal counts and FSDP2 gathers and frees each layer pass by pass;
 - `fsdp2_detached`: the same model, detached mode, `B`;
 - `sharded_exact` / `sharded_detached`: DDP with the prompt state sharded over both ranks, micro-batch `S` (the
   ranks hold the same prompts, different completions); `sharded_exact` with non-reentrant gradient checkpointing;
 - `offload_sharded_exact`: `sharded_exact` with `offload_boundary_states` (the boundaries in host memory);
 - `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state and non-reentrant gradient checkpointing,
-  `S`: the ranks run in lockstep, so FSDP2 gathers and frees each layer pass by pass (how many other layers are
-  gathered during a prefill is recorded);
+  `S`: the ranks run in lockstep, so FSDP2 gathers and frees each layer pass by pass;
+- `fsdp2_grouped_sharded_detached`: the FSDP2 model with the prompt state sharded over groups of one rank each
+  (smaller than the world: different passes, so the engine gathers the whole model once per call), detached, `B`;
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
   has no gradient to back-propagate;
+- `fsdp2_batched_scoring`: the FSDP2 model scores `A` with branches packed into batches of at most `BATCH_TOKENS`
+  tokens, as for old-policy and reference log-probs;
+- for every FSDP2 scenario, at each unshard (prefetches included) and each wait for one, how many decoder layers
+  are gathered or being gathered, and how many hold unsharded parameters (`gathered`);
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, and the glm_moe_dsa sharded
   selection and latent attention against their references, in fp64; `PromptShards.broadcast_boundary` alone on
   records of mixed dtypes.
@@ -71,6 +77,10 @@ def count_collectives(log: list) -> None:
     for name in COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+# Token budget of a batch of branches in the batched scoring (`Engine.score(batch_tokens=...)`).
+BATCH_TOKENS = 9
 
 
 def trainer_config(output_dir: str, **overrides):
@@ -550,6 +560,20 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["collectives"][name] = log[start:]
         results["gathered"][name] = most_gathered()
         assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
+    # Scoring with branches packed into batches of at most BATCH_TOKENS tokens (old-policy and reference log-probs),
+    # on `A`: the ranks run different numbers of prompts, chunks and batches.
+    local = rows_of(batches["A"], rank)
+    start = len(log)
+    with torch.no_grad():
+        batched_logps, _ = trainer._engine(fsdp).score(
+            local["prompt_ids"],
+            local["prompt_mask"],
+            local["completion_ids"],
+            local["completion_mask"],
+            batch_tokens=BATCH_TOKENS,
+        )
+    results["collectives"]["fsdp2_batched_scoring"] = log[start:]
+    results["gathered"]["fsdp2_batched_scoring"] = most_gathered()
 
     # Sharded prompt state (over DDP).
     set_sharded(True)
@@ -587,6 +611,20 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     results["fsdp2_sharded_exact"] = full_grads(fsdp)
     results["collectives"]["fsdp2_sharded_exact"] = log[start:]
     results["gathered"]["fsdp2_sharded_exact"] = most_gathered()
+    # Shard groups smaller than the world (one rank each) run different passes: the engine gathers the whole model
+    # once per call (`distributed.fsdp2_gathered` without per_pass).
+    from trl_longstraw.sharding import PromptShards
+
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    trainer._prompt_shards = PromptShards(singles[rank])
+    trainer._engines.clear()
+    start = len(log)
+    fsdp.zero_grad(set_to_none=True)
+    gathered.clear()
+    step(fsdp, batches["B"], "detached")
+    results["fsdp2_grouped_sharded_detached"] = full_grads(fsdp)
+    results["collectives"]["fsdp2_grouped_sharded_detached"] = log[start:]
+    results["gathered"]["fsdp2_grouped_sharded_detached"] = most_gathered()
     # An idle rank: nothing to back-propagate on rank 1 (micro-batch C, beta = 0), sharded or not.
     trainer.beta = 0.0
     for name, model, sharded in [
@@ -634,6 +672,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         held,
         boundary_broadcast,
         results["gathered"],
+        batched_logps,
     )
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -644,6 +683,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["boundaries"] = [e[4] for e in everyone]
         results["boundary_broadcast"] = [e[5] for e in everyone]
         results["gathered"] = [e[6] for e in everyone]
+        results["batched_logps"] = [e[7] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

@@ -12,6 +12,7 @@ import pytest
 
 from trl_longstraw import cli
 from trl_longstraw.hub import export
+from trl_longstraw.testing import WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
@@ -185,3 +186,55 @@ def test_recipe_saves_the_final_model_and_its_card(tmp_path):
     assert "fine-tuned version of `longstraw/tiny-llama`" in card and "None" not in card
     assert "mode (`prompt_gradient`): `exact`" in card and "chunks of 32 tokens" in card
     assert "hardware: 1 process on CPU" in card
+
+
+# ------------------------------------------------------------------------------------------------ summary
+def test_describe_lengths():
+    assert cli.describe_lengths([]) is None
+    assert cli.describe_lengths([211, 211]) == "211 tokens"
+    assert cli.describe_lengths([180, 240, 213]) == "180-240 tokens (mean 211 of 3 sampled)"
+
+
+def test_summary_gives_a_local_dataset_real_prompt_length(tmp_path, capsys):
+    """A local dataset of 211-token prompts: the summary says 211, not the built-in tasks' `prompt_tokens` (384)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(211))} for i in range(4)]
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--dataset_name", str(data), "--reward_funcs", "tests.helpers.zero_reward", "--reward_weights", "1.0"]
+    cli.train(*cli.parse(small(tmp_path / "out", "--max_steps", "1", *flags)))
+    assert f"task                    {data}, prompts of 211 tokens, prefill chunks of 32" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ CPU threads
+def test_threads_chosen():
+    launcher = ("/venv/bin/accelerate launch --cpu recipes/grpo_long.py".split(), {"PATH": "/bin"})
+    assert not cli.threads_chosen({}, None)
+    assert cli.threads_chosen({"OMP_NUM_THREADS": "4"}, None)
+    assert cli.threads_chosen({"OMP_NUM_THREADS": "4"}, (["bash"], {}))
+    # accelerate launch sets OMP_NUM_THREADS (cores per process) when its own environment lacks it: not chosen.
+    assert not cli.threads_chosen({"OMP_NUM_THREADS": "2"}, launcher)
+    assert cli.threads_chosen({"OMP_NUM_THREADS": "2"}, (launcher[0], {"OMP_NUM_THREADS": "2"}))
+    flag = "/venv/bin/accelerate launch --cpu --num_cpu_threads_per_process 2 x.py".split()
+    assert cli.threads_chosen({"OMP_NUM_THREADS": "2"}, (flag, {}))
+
+
+def test_configure_cpu_threads(caplog):
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.WARNING, logger="trl_longstraw.cli"):
+            assert cli.configure_cpu_threads(model, tiny=True, on_cpu=False, chosen=False) is None
+            torch.set_num_threads(2)
+            assert cli.configure_cpu_threads(model, tiny=False, on_cpu=True, chosen=True).startswith(
+                "CPU run of a small model with 2 intra-op threads per process"
+            )
+            line = cli.configure_cpu_threads(model, tiny=True, on_cpu=True, chosen=False)
+            assert line.startswith("CPU run of a tiny model: 1 intra-op thread instead of 2")
+            assert torch.get_num_threads() == 1
+            assert cli.configure_cpu_threads(model, tiny=False, on_cpu=True, chosen=True) is None  # one thread
+        assert [r.message for r in caplog.records if r.name == "trl_longstraw.cli"][-1] == line
+    finally:
+        torch.set_num_threads(before)

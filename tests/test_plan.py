@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
@@ -265,6 +269,18 @@ def test_layer_by_layer_gather_without_sharded_state(preset_stats):
     assert per_pass.detail.startswith("per pass")
 
 
+def test_data_parallel_row_fits(capsys):
+    """Issue 14's data-parallel row (README): Qwen3.6-27B, 100K positions, detached, 8 x 96 GB, no sharded state.
+    FSDP2 gathers layer by layer, so it fits; gathering the whole model (27B parameters and their gradient in bf16,
+    100 GiB) could not."""
+    argv = ["--model", "qwen3.6-27b", "--positions", "100K", "--gpus", "8", "--gpu-memory", "96GB"]
+    argv += ["--mode", "detached"]
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "verdict: FITS" in out and "prompt state not sharded" in out
+    assert "FSDP all-gathered        11.61 GiB  per pass" in out
+
+
 def test_shard_groups_smaller_than_the_gpus(preset_stats):
     """Groups of 8 of 32 GPUs split the state 8 ways, exchange queries over 8 ranks, and run different passes
     across groups, so FSDP2 holds the whole model and its gradient (unlike without sharding)."""
@@ -497,3 +513,159 @@ def test_recipe_refusals(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "router_aux_loss_coef" not in out and "rope_theta: checkpoint" not in out
     assert "rope_theta: model 10000.0, override '<missing>'" in out
+
+
+# -------------------------------------------------------------------------- expert parallelism, offload, DP mode
+def test_expert_parallel_never_gathers_the_experts(preset_stats):
+    """GLM-5.2: 256 routed experts per MoE layer, 8 per GPU over 32. FSDP2 gathers the layers without their experts
+    (the largest is then a dense layer), and the weights per GPU stay a 1/32 share."""
+    stats = _glm_lora(preset_stats)
+    config = preset_stats["glm-5.2"][0]
+    moe_layers = config.num_hidden_layers - config.first_k_dense_replace
+    expert_per_layer = 256 * (2 * 2048 * 6144 + 6144 * 2048)  # gate_up [E, 2I, H] + down [E, H, I]
+    assert (stats.num_experts, stats.expert_params) == (256, moe_layers * expert_per_layer)
+    assert stats.expert_trainable == 0  # LoRA never targets the fused experts
+    # Without experts, the largest layer is a dense one (MLP 12288 wide, an indexer), not a MoE layer.
+    dense_layer = sum(p.numel() for p in meta_model(config).model.layers[0].parameters())
+    assert stats.largest_layer_dense_params == dense_layer > stats.largest_layer_params - expert_per_layer
+    setup = replace(_h200x32("exact", True), positions=100_000)
+    plain, ep = estimate(stats, setup), estimate(stats, replace(setup, expert_parallel=True))
+    gathered = stats.root_params + stats.root_trainable + 2 * stats.largest_layer_dense_params
+    assert _item(ep, "FSDP all-gathered") == (gathered + stats.largest_layer_dense_trainable) * 2
+    # Two MoE layers' experts in bf16 (36 GiB) are gathered without EP; with it, the root and two dense layers (5 GiB).
+    assert _item(plain, "FSDP all-gathered") > 2 * expert_per_layer * 2 > 7 * _item(ep, "FSDP all-gathered")
+    assert _item(ep, "weights") == pytest.approx(_item(plain, "weights"), abs=2)
+    # An EP group of 8 of the 32 GPUs holds 32 experts per GPU: 4 times the expert share.
+    ep8 = estimate(stats, replace(setup, expert_parallel=True, ep_size=8))
+    assert _item(ep8, "weights") - _item(ep, "weights") == pytest.approx(3 * stats.expert_params * 2 / 32, abs=2)
+    qwen = preset_stats["qwen3.6-27b"][1]
+    with pytest.raises(ValueError, match="no routed experts"):
+        estimate(qwen, replace(setup, expert_parallel=True))
+    with pytest.raises(ValueError, match="ep_size=5 must divide the 32 GPUs"):
+        replace(setup, expert_parallel=True, ep_size=5)
+
+
+def test_offload_moves_cold_state_to_the_host(preset_stats):
+    """FSDP2 CPU offload puts the weight, gradient and optimizer shards in host memory; offload_boundary_states
+    keeps 3 recurrent boundaries on the GPU (the newest, the restored one, the one in flight) and this GPU's share
+    of the others on the host, counted per node against --host-memory."""
+    _, stats = preset_stats["qwen3.6-27b"]
+    setup = Setup(positions=2_100_000, gpus=8, gpu_memory=96 * 10**9, shard_prompt_state=True)
+    plain = estimate(stats, setup)
+    off = estimate(stats, replace(setup, offload=True, offload_boundary_states=True))
+    for name in ("weights", "gradients", "optimizer state"):
+        assert _item(off, name) == 0
+        (host,) = [i.nbytes for i in off.host if i.name == name]
+        assert host == _item(plain, name)
+    chunks = -(-2_099_999 // 4096)
+    assert _item(plain, "prompt state") - _item(off, "prompt state") == (-(-(chunks - 1) // 8) + 2 - 3) * (
+        stats.state_fixed
+    )
+    (boundaries,) = [i.nbytes for i in off.host if i.name == "boundary states"]
+    assert boundaries == -(-(chunks - 1) // 8) * stats.state_fixed
+    assert off.host_per_node == 8 * sum(i.nbytes for i in off.host)
+    assert off.fits and not replace(off, setup=replace(off.setup, host_memory=off.host_per_node - 1)).fits
+    # Detached mode keeps no boundaries: nothing to offload there.
+    detached = estimate(stats, replace(setup, mode="detached", offload_boundary_states=True))
+    assert not [i for i in detached.host if i.name == "boundary states"]
+
+
+# ---------------------------------------------------------------------------------------------- README blocks
+README = REPO / "README.md"
+_BLOCK = re.compile(r"```text\n(\$ python -m trl_longstraw\.plan [^\n]*\n)(.*?)```", re.DOTALL)
+
+
+def planner_output(command: str) -> str:
+    """What `command` (`$ python -m trl_longstraw.plan ...`) prints, run in this process."""
+    argv = shlex.split(command.removeprefix("$ python -m trl_longstraw.plan"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = plan.main(argv)
+    return out.getvalue(), code
+
+
+def readme_with_planner_output(text: str) -> str:
+    """`text` with the output of every planner command of a ```text block replaced by what the planner prints; a block
+    may hold several commands, each followed by its output and a blank line."""
+
+    def block(match: re.Match) -> str:
+        body = match.group(1) + match.group(2)
+        commands = [line for line in body.splitlines() if line.startswith("$ python -m trl_longstraw.plan")]
+        parts = [command + "\n" + planner_output(command)[0] for command in commands]
+        return "```text\n" + "\n".join(parts) + "```"
+
+    return _BLOCK.sub(block, text)
+
+
+@pytest.mark.slow
+def test_readme_planner_blocks_match_the_planner():
+    """Every planner command quoted in README.md prints exactly the quoted output (`python -m tests.test_plan`
+    rewrites them), and the issue's rows fit: exit 0."""
+    text = README.read_text()
+    assert text == readme_with_planner_output(text), (
+        "README.md's planner output is stale: run python -m tests.test_plan"
+    )
+    for command in (
+        "$ python -m trl_longstraw.plan --model glm-5.2 --positions 2.1M --gpus 32 --gpu-memory 96GB --mode exact "
+        "--lora-rank 16 --precision bf16 --shard-prompt-state --expert-parallel",
+        "$ python -m trl_longstraw.plan --model qwen3.6-27b --positions 2.1M --gpus 8 --gpu-memory 96GB --mode exact "
+        "--shard-prompt-state --offload",
+        "$ python -m trl_longstraw.plan --model qwen3.6-27b --positions 4.46M --gpus 8 --gpu-memory 96GB "
+        "--mode detached --shard-prompt-state --offload",
+        "$ python -m trl_longstraw.plan --model qwen3.6-27b --positions 100K --gpus 8 --gpu-memory 96GB "
+        "--mode detached",
+    ):
+        assert command in text
+        assert planner_output(command)[1] == 0, command
+
+
+# ----------------------------------------------------------------------------------------- recipe config quotes
+CONFIGS = sorted((REPO / "recipes/configs").glob("*.yaml"))
+_QUOTED = ("verdict:", "  total", "largest prompt that fits:")
+
+
+def config_with_planner_output(text: str) -> tuple[str, list[tuple[str, int]]]:
+    """A recipe config's text with its `#   >` lines replaced by what the planner command quoted above them prints
+    (the verdict, the host total, the largest prompt), and `[(command, exit code)]`."""
+    lines, out, runs = text.splitlines(keepends=True), [], []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if not line.startswith("#   python -m trl_longstraw.plan "):
+            out.append(line)
+            i += 1
+            continue
+        command = ""
+        while True:
+            out.append(lines[i])
+            part = lines[i].removeprefix("#").strip()
+            command += " " + part.removesuffix("\\").strip()
+            i += 1
+            if not part.endswith("\\"):
+                break
+        while i < len(lines) and lines[i].startswith("#   >"):
+            i += 1
+        printed, code = planner_output("$ " + command.strip())
+        runs.append((command.strip(), code))
+        out += [f"#   > {p}\n" for p in printed.splitlines() if p.startswith(_QUOTED)]
+    return "".join(out), runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_recipe_configs_quote_the_planner(path):
+    """Every shipped config that quotes a planner command quotes what it prints, and fits (exit 0)."""
+    text = path.read_text()
+    rewritten, runs = config_with_planner_output(text)
+    assert rewritten == text, f"{path.name}'s planner quote is stale: run python -m tests.test_plan"
+    assert all(code == 0 for _, code in runs), runs
+    if path.name != "tiny_cpu.yaml":
+        assert runs, f"{path.name} quotes no planner command"
+
+
+if __name__ == "__main__":
+    README.write_text(readme_with_planner_output(README.read_text()))
+    print(f"rewrote the planner output in {README}")
+    for config in CONFIGS:
+        config.write_text(config_with_planner_output(config.read_text())[0])
+        print(f"rewrote the planner output in {config}")

@@ -74,7 +74,10 @@ def test_every_config_parses_and_starts_with_its_launch_line(path):
 def test_long_configs_cover_their_positions(path):
     mapping = yaml.safe_load(path.read_text())
     script_args, training_args, model_args = parse_recipe_config(path)
-    assert "--config_file recipes/accelerate/fsdp2.yaml" in launch_command(path.read_text())
+    # FSDP2, with CPU offload where the config needs the host memory (its header quotes the planner's --offload).
+    offload = "--offload" in path.read_text()
+    accelerate = "fsdp2_offload.yaml" if offload else "fsdp2.yaml"
+    assert f"--config_file recipes/accelerate/{accelerate}" in launch_command(path.read_text())
     assert mapping["bf16"] is True and training_args.gradient_checkpointing
     assert training_args.gradient_checkpointing_kwargs == {"use_reentrant": False}
     assert script_args.prompt_tokens >= 2_100_000
@@ -94,8 +97,14 @@ def test_long_configs_cover_their_positions(path):
 def test_configs_disagree_only_where_named():
     exact = yaml.safe_load((ROOT / "recipes/configs/qwen3.6-27b_8xh20_2.1m_exact.yaml").read_text())
     detached = yaml.safe_load((ROOT / "recipes/configs/qwen3.6-27b_8xh20_2.1m_detached.yaml").read_text())
-    assert {k for k in exact if exact[k] != detached.get(k)} == {"prompt_gradient", "output_dir"}
+    differ = {k for k in set(exact) | set(detached) if exact.get(k) != detached.get(k)}
+    assert differ == {"prompt_gradient", "output_dir", "prefill_chunk_size", "offload_boundary_states"}
     assert (exact["prompt_gradient"], detached["prompt_gradient"]) == ("exact", "detached")
+    # Exact mode keeps its boundaries in host memory; detached mode keeps none, and prefills in smaller chunks.
+    assert exact["offload_boundary_states"] and (exact["prefill_chunk_size"], detached["prefill_chunk_size"]) == (
+        16384,
+        8192,
+    )
 
 
 def test_unknown_config_key_raises(tmp_path):

@@ -58,22 +58,33 @@ def parse(
     return parser.parse_args_and_config(argv)
 
 
+def _launch_options(cmdline: list[str]) -> list[str] | None:
+    """The words after `accelerate launch` (or `accelerate-launch`, `-m accelerate.commands.launch`) in `cmdline`,
+    or None if it is not such a command line."""
+    for i, word in enumerate(cmdline):
+        if os.path.basename(word) == "accelerate-launch" or word == "accelerate.commands.launch":
+            return cmdline[i + 1 :]
+        if word == "launch" and i > 0 and os.path.basename(cmdline[i - 1]) == "accelerate":
+            return cmdline[i + 1 :]
+    return None
+
+
+def _parent() -> tuple[list[str], dict[str, str]] | None:
+    """The parent process's command line and environment (the launcher's, under `accelerate launch`), if readable."""
+    import psutil
+
+    try:
+        parent = psutil.Process(os.getppid())
+        return parent.cmdline(), parent.environ()
+    except psutil.Error:
+        return None
+
+
 def requested_processes(cmdline: list[str]) -> int | None:
     """The number of processes that an `accelerate launch` command line asks for with `--num_processes`, or None
     (not such a command line, or no `--num_processes` before the training script)."""
-    start = None
-    for i, word in enumerate(cmdline):
-        name = os.path.basename(word)
-        if name == "accelerate-launch" or word == "accelerate.commands.launch":
-            start = i + 1
-        elif word == "launch" and i > 0 and os.path.basename(cmdline[i - 1]) == "accelerate":
-            start = i + 1
-        if start is not None:
-            break
-    if start is None:
-        return None
-    options = cmdline[start:]
-    for i, word in enumerate(options):
+    options = _launch_options(cmdline)
+    for i, word in enumerate(options or []):
         if word in ("-m", "--module") or word.endswith(".py"):
             return None  # the training script and its arguments follow
         if word.startswith(("--num_processes=", "--num-processes=")):
@@ -87,12 +98,10 @@ def check_processes(running: int, cmdline: list[str] | None = None) -> None:
     """Warns when fewer processes run than the launcher asked for: `accelerate launch --cpu --num_processes 2` starts
     one process (its CPU launcher is single-process), silently. `cmdline` defaults to the parent process's."""
     if cmdline is None:
-        import psutil
-
-        try:
-            cmdline = psutil.Process(os.getppid()).cmdline()
-        except psutil.Error:
+        parent = _parent()
+        if parent is None:
             return
+        cmdline = parent[0]
     requested = requested_processes(cmdline)
     if requested is not None and requested > running:
         logger.warning(
@@ -100,6 +109,46 @@ def check_processes(running: int, cmdline: list[str] | None = None) -> None:
             f"single process. For {requested} CPU processes (gloo), launch with `ACCELERATE_USE_CPU=1 accelerate "
             f"launch --multi_gpu --num_processes {requested} ...`."
         )
+
+
+def threads_chosen(environ: dict[str, str], parent: tuple[list[str], dict[str, str]] | None) -> bool:
+    """Whether the user chose the number of CPU threads: `OMP_NUM_THREADS` is set in this process's environment
+    `environ`, and not only by `accelerate launch` (the `parent`'s command line and environment), which sets it in its
+    processes to the cores per process when the launcher's own environment lacks it."""
+    if "OMP_NUM_THREADS" not in environ:
+        return False
+    if parent is not None and _launch_options(parent[0]) is not None:
+        return "OMP_NUM_THREADS" in parent[1] or any(w.startswith("--num_cpu_threads") for w in parent[0])
+    return True
+
+
+def configure_cpu_threads(model: torch.nn.Module, tiny: bool, on_cpu: bool, chosen: bool) -> str | None:
+    """Sets the CPU threads of a CPU run, or advises; returns the line it logged (None on GPU or when all is well).
+
+    On a shared or small CPU, the spin-waiting of intra-op threads makes a small model's many small ops many times
+    slower: the tiny recipe ran 2 steps in 2.8 s with one thread against 78.3 s with two on a busy 2-core machine
+    (benchmarks/CPU_THREADS.md). A built-in tiny model (`longstraw/tiny-*`) gets one thread unless the user `chosen`
+    a number; another model of under 100M parameters running with several threads gets the advice.
+    """
+    if not on_cpu:
+        return None
+    threads = torch.get_num_threads()
+    if tiny and not chosen:
+        torch.set_num_threads(1)
+        line = (
+            f"CPU run of a tiny model: 1 intra-op thread instead of {threads} (much faster for small ops, see "
+            "benchmarks/CPU_THREADS.md); set OMP_NUM_THREADS to choose."
+        )
+    elif threads > 1 and sum(p.numel() for p in model.parameters()) < 100_000_000:
+        line = (
+            f"CPU run of a small model with {threads} intra-op threads per process: small models often run many "
+            "times faster with OMP_NUM_THREADS=1 (the tiny recipe: 2.8 s against 78.3 s with 2 threads on a busy "
+            "2-core machine, benchmarks/CPU_THREADS.md)."
+        )
+    else:
+        return None
+    logger.warning(line)
+    return line
 
 
 def check_saving(args: LongStrawGRPOConfig) -> None:
@@ -140,6 +189,26 @@ def resume_target(args: LongStrawGRPOConfig) -> str | None:
     return last
 
 
+def prompt_token_lengths(trainer: LongStrawGRPOTrainer, sample: int = 16, seed: int = 0) -> list[int]:
+    """Token lengths, as the trainer tokenizes them (chat template included), of up to `sample` prompts of the
+    training dataset drawn at random; `[]` for a dataset without a length or with per-row environments."""
+    dataset = trainer.train_dataset
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "select") or trainer.environment_factories is not None:
+        return []
+    indices = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:sample].tolist()
+    return [len(ids) for ids in trainer._tokenize_prompts(list(dataset.select(indices)["prompt"]))[0]]
+
+
+def describe_lengths(lengths: list[int]) -> str | None:
+    """`"211 tokens"`, or `"180-240 tokens (mean 211 of 16 sampled)"` when the lengths differ; None for none."""
+    if not lengths:
+        return None
+    low, high = min(lengths), max(lengths)
+    if low == high:
+        return f"{low} tokens"
+    return f"{low}-{high} tokens (mean {sum(lengths) / len(lengths):.0f} of {len(lengths)} sampled)"
+
+
 def train(
     script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, model_args: ModelConfig
 ) -> LongStrawGRPOTrainer:
@@ -149,11 +218,6 @@ def train(
         check_processes(state.num_processes)
     check_saving(training_args)
     resume = resume_target(training_args)
-    is_tiny = (model_args.model_name_or_path or "").startswith(TINY_MODEL_PREFIX)
-    if is_tiny and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        # A tiny model gains nothing from intra-op threads, and on a shared CPU their spin-waiting makes each op many
-        # times slower (measured: 0.3 s against 10-20 s per micro-batch on 2 busy cores).
-        torch.set_num_threads(1)
     model_path = resolve_model_path(
         model_args.model_name_or_path, training_args.output_dir, training_args.seed, script_args.tiny_hidden_size
     )
@@ -184,6 +248,12 @@ def train(
         trust_remote_code=training_args.trust_remote_code,
     )
     model = create_model_from_path(model_path, architecture=AutoModelForCausalLM, **model_init_kwargs)
+    configure_cpu_threads(
+        model,
+        tiny=(model_args.model_name_or_path or "").startswith(TINY_MODEL_PREFIX),
+        on_cpu=training_args.use_cpu or not torch.cuda.is_available(),
+        chosen=threads_chosen(dict(os.environ), _parent()),
+    )
     tokenizer = AutoTokenizer.from_pretrained(
         model_path,
         revision=model_args.model_revision,
@@ -210,6 +280,7 @@ def train(
     summary["train_runtime_s"] = trainer.state.log_history[-1].get("train_runtime", float("nan"))
     summary["processes"] = trainer.accelerator.num_processes
     summary["shard_group"] = trainer._prompt_shards.world if trainer._prompt_shards is not None else 0
+    summary["prompt_tokens"] = describe_lengths(prompt_token_lengths(trainer, seed=training_args.seed))
     trainer.accelerator.print("\n" + format_summary(summary, script_args, training_args))
     # The final model and its card, whatever save_strategy says of checkpoints (as TRL's scripts do).
     trainer.save_model(training_args.output_dir)

@@ -619,14 +619,18 @@ class Engine:
         """The prompts to run and, for each, its branch rows.
 
         Unsharded: `groups` with their `rows`, as given. Data-parallel lockstep (FSDP2 without a sharded state): the
-        prompts with rows, as given, then empty slots up to the largest number of prompts of any rank, each with the
-        pass counts agreed by one all-reduce over the world (`passes(group, rows)`: this rank's own counts for a
-        prompt, see `Slot`). Sharded: the prompts in the order agreed by the group, and rounds in which every rank
-        runs one branch (its own or a filler), declared to `shards` round by round.
+        prompts with rows, fewest passes first (`passes(group, rows)`: this rank's own counts of a prompt), so that
+        the ranks' large prompts share slots and fillers stay few, except that a prompt whose state the scoring kept
+        stays first; then empty slots up to the largest number of prompts of any rank; each slot with the pass counts
+        agreed by one all-reduce over the world (see `Slot`). Sharded: the prompts in the order agreed by the group,
+        and rounds in which every rank runs one branch (its own or a filler), declared to `shards` round by round.
         """
         if self.lockstep:
-            work = [(g, rs) for g, rs in zip(groups, rows, strict=True) if rs]
-            agreed = agree_pass_counts([passes(g, rs) for g, rs in work], len(lengths), device)
+            work = [(g, rs, passes(g, rs)) for g, rs in zip(groups, rows, strict=True) if rs]
+            pinned = int(bool(work) and self._kept is not None and _key(work[0][0]) == self._kept[0])
+            work[pinned:] = sorted(work[pinned:], key=lambda item: sum(item[2]))
+            agreed = agree_pass_counts([counts for _, _, counts in work], len(lengths), device)
+            work = [(g, rs) for g, rs, _ in work]
             work += [(None, [])] * (len(agreed) - len(work))
             return [Slot(group, rs, passes=counts) for (group, rs), counts in zip(work, agreed, strict=True)]
         if self.shards is None:

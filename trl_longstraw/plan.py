@@ -298,6 +298,10 @@ class ModelStats:
         root_trainable: trainable parameters outside the decoder layers.
         query_exchange: `(query elements, output elements)` per token of one attention layer as a branch round of the
             sharded prompt state exchanges them: all heads' queries, and their outputs (the latent for MLA).
+        num_experts: routed experts per MoE layer (0 for dense models).
+        expert_params, expert_trainable: parameters of the routed experts (fused `[E, out, in]` weights), all layers.
+        largest_layer_dense_params, largest_layer_dense_trainable: the largest decoder layer without its routed
+            experts (what FSDP2 gathers per layer under expert parallelism, where experts are never gathered).
     """
 
     total_params: int
@@ -313,6 +317,11 @@ class ModelStats:
     state_fixed: int
     root_trainable: int = 0
     query_exchange: tuple[int, int] = (0, 0)
+    num_experts: int = 0
+    expert_params: int = 0
+    expert_trainable: int = 0
+    largest_layer_dense_params: int = 0
+    largest_layer_dense_trainable: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -375,6 +384,21 @@ def model_stats(
     base = sum(p.numel() for p in causal_lm.parameters())
     adapters = sum(lora(layer) for layer in layers) if lora_rank else 0
     acts = [_activation_elems(layer, top_k) for layer in layers]
+    # Routed experts: fused `[E, out, in]` weights (transformers' `*Experts` modules); LoRA never targets them.
+    experts = [
+        [
+            p
+            for m in layer.modules()
+            if not isinstance(m, (nn.Linear, nn.Conv1d))
+            for p in m.parameters(recurse=False)
+            if p.ndim == 3
+        ]
+        for layer in layers
+    ]
+    expert_counts = [sum(p.numel() for p in ps) for ps in experts]
+    expert_trained = [0 if lora_rank else sum(p.numel() for p in ps if p.requires_grad) for ps in experts]
+    dense = [n - e for n, e in zip(layer_params, expert_counts, strict=True)]
+    dense_trainable = [trainable(layer) - e for layer, e in zip(layers, expert_trained, strict=True)]
     per_token, fixed = prompt_state_bytes(config, state_dtype_bytes)
     return ModelStats(
         total_params=base + adapters,
@@ -390,6 +414,11 @@ def model_stats(
         state_fixed=fixed,
         root_trainable=0 if lora_rank else trainable(causal_lm) - sum(trainable(layer) for layer in layers),
         query_exchange=query_exchange(config),
+        num_experts=max((ps[0].shape[0] for ps in experts if ps), default=0),
+        expert_params=sum(expert_counts),
+        expert_trainable=sum(expert_trained),
+        largest_layer_dense_params=max(dense),
+        largest_layer_dense_trainable=max(dense_trainable),
     )
 
 
@@ -426,6 +455,14 @@ class Setup:
             (trainable weights upcast to fp32, frozen ones kept in bf16, fp32 gradients and AdamW states).
         compute_bytes: activations and all-gathered weights (bf16).
         headroom: fraction of `gpu_memory` left for the CUDA context, NCCL buffers and allocator fragmentation.
+        expert_parallel: routed experts split by expert over an EP group of `ep_size` GPUs (0: all of them), through
+            transformers' expert parallelism; never all-gathered. The other parameters stay under FSDP2.
+        offload: FSDP2's CPUOffloadPolicy: the sharded parameters (fp32 master weights), their gradients and the
+            optimizer state live in host memory, and the optimizer steps there.
+        offload_boundary_states: exact mode: the recurrent chunk-boundary states wait in pinned host memory
+            (`LongStrawGRPOConfig.offload_boundary_states`).
+        gpus_per_node: processes per node, for the host memory of a node.
+        host_memory: host bytes per node for the offloaded items; None: not checked.
     """
 
     positions: int
@@ -445,8 +482,16 @@ class Setup:
     optimizer_bytes: int = 8
     compute_bytes: int = 2
     headroom: float = 0.05
+    expert_parallel: bool = False
+    ep_size: int = 0
+    offload: bool = False
+    offload_boundary_states: bool = False
+    gpus_per_node: int = 8
+    host_memory: int | None = None
 
     def __post_init__(self):
+        if self.expert_parallel and self.ep_size and self.gpus % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide the {self.gpus} GPUs")
         if self.mode not in ("exact", "detached"):
             raise ValueError(f"mode={self.mode!r}: use 'exact' or 'detached'")
         for name in ("positions", "completion_length", "group_size", "prefill_chunk_size", "gpus", "gpu_memory"):
@@ -476,6 +521,7 @@ class Budget:
     stats: ModelStats
     setup: Setup
     items: list[Item] = field(default_factory=list)
+    host: list[Item] = field(default_factory=list)
 
     @property
     def peak(self) -> int:
@@ -489,8 +535,18 @@ class Budget:
         return self.peak - sum(i.nbytes for i in self.items if i.resident)
 
     @property
+    def host_per_node(self) -> int:
+        """Host bytes per node that the step keeps there (offloaded items, `setup.gpus_per_node` processes)."""
+        return sum(i.nbytes for i in self.host) * min(self.setup.gpus, self.setup.gpus_per_node)
+
+    @property
+    def fits_host(self) -> bool:
+        """Whether the host items fit `setup.host_memory` per node (True when no budget is given)."""
+        return self.setup.host_memory is None or self.host_per_node <= self.setup.host_memory
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.setup.gpu_memory
+        return self.peak <= self.setup.gpu_memory and self.fits_host
 
 
 def state_tokens(positions: int) -> int:
@@ -511,55 +567,101 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     s, u = stats, setup
     exact = u.mode == "exact"
     shards = u.gpus if u.fsdp else 1
-    frozen = s.total_params - s.trainable_params
+    ep = (u.ep_size or u.gpus) if u.expert_parallel else 1
+    if u.expert_parallel and (not s.num_experts or s.num_experts % ep):
+        raise ValueError(
+            f"expert parallelism over {ep} GPUs needs a MoE model whose routed experts divide evenly among them "
+            f"(this model has {s.num_experts or 'no'} routed experts per layer)"
+        )
 
     def share(n: int, parts: int) -> int:
         return -(-n // parts)
 
-    items = [
-        Item(
-            "weights",
-            share(s.trainable_params * u.trainable_weight_bytes + frozen * u.frozen_weight_bytes, shards),
-            f"{_count(s.trainable_params)} trainable x {u.trainable_weight_bytes} B"
-            + (f" + {_count(frozen)} frozen x {u.frozen_weight_bytes} B" if frozen else "")
-            + (f", sharded /{shards}" if shards > 1 else ""),
-            resident=True,
-        ),
-        Item(
-            "gradients",
-            share(s.trainable_params * u.grad_bytes, shards),
-            f"{u.grad_bytes} B per trainable parameter" + (f", sharded /{shards}" if shards > 1 else ""),
-        ),
-        Item(
-            "optimizer state",
-            share(s.trainable_params * u.optimizer_bytes, shards),
-            f"AdamW exp_avg + exp_avg_sq, {u.optimizer_bytes} B per trainable parameter"
-            + (f", sharded /{shards}" if shards > 1 else ""),
-        ),
-    ]
+    # Under expert parallelism the routed experts are split by expert over the EP group (never all-gathered); the
+    # other parameters stay under FSDP2. Without it, every parameter is under FSDP2.
+    moved = s.expert_params if u.expert_parallel else 0
+    moved_trainable = s.expert_trainable if u.expert_parallel else 0
+    fsdp_trainable, fsdp_frozen = s.trainable_params - moved_trainable, s.total_params - s.trainable_params
+    fsdp_frozen -= moved - moved_trainable
+    fsdp_weights = share(fsdp_trainable * u.trainable_weight_bytes + fsdp_frozen * u.frozen_weight_bytes, shards)
+    ep_weights = share(
+        moved_trainable * u.trainable_weight_bytes + (moved - moved_trainable) * u.frozen_weight_bytes, ep
+    )
+    sharded = f", sharded /{shards}" if shards > 1 else ""
+    experts = ""
+    if moved:
+        sharded = f", sharded /{shards} but the routed experts" if shards > 1 else ", but the routed experts"
+        experts = f", which are split by expert /{ep} ({s.num_experts // ep} of {s.num_experts} per GPU)"
+    # FSDP2's CPUOffloadPolicy keeps the sharded parameters (the fp32 master weights), their gradients and the
+    # optimizer state in host memory and steps the optimizer there; experts outside FSDP2 stay on the GPU.
+    host = []
+    where = "on the host (FSDP2 CPU offload)" if u.offload else ""
+    frozen = s.total_params - s.trainable_params
+    weights_detail = (
+        f"{_count(s.trainable_params)} trainable x {u.trainable_weight_bytes} B"
+        + (f" + {_count(frozen)} frozen x {u.frozen_weight_bytes} B" if frozen else "")
+        + sharded
+        + experts
+    )
+    plain = f", sharded /{shards}" if shards > 1 else ""
+    grad_detail = f"{u.grad_bytes} B per trainable parameter" + (sharded + experts if moved_trainable else plain)
+    optim_detail = f"AdamW exp_avg + exp_avg_sq, {u.optimizer_bytes} B per trainable parameter" + (
+        sharded + experts if moved_trainable else plain
+    )
+    fsdp = {
+        "weights": fsdp_weights,
+        "gradients": share(fsdp_trainable * u.grad_bytes, shards),
+        "optimizer state": share(fsdp_trainable * u.optimizer_bytes, shards),
+    }
+    local = {
+        "weights": ep_weights,
+        "gradients": share(moved_trainable * u.grad_bytes, ep),
+        "optimizer state": share(moved_trainable * u.optimizer_bytes, ep),
+    }
+    details = {"weights": weights_detail, "gradients": grad_detail, "optimizer state": optim_detail}
+    items = []
+    for name in ("weights", "gradients", "optimizer state"):
+        if u.offload:
+            host.append(Item(name, fsdp[name], details[name]))
+            on_gpu = local[name]
+            detail = f"{_size(fsdp[name])} {where}" + (f"; experts /{ep} on the GPU" if local[name] else "")
+        else:
+            on_gpu, detail = fsdp[name] + local[name], details[name]
+        items.append(Item(name, on_gpu, detail, resident=name == "weights"))
     state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
     if shards > 1 and (not u.shard_prompt_state or state_parts == u.gpus):
         # Lockstep passes (the sharded state's over all GPUs, or the data-parallel one: equal pass counts per rank):
         # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the root's own
-        # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass.
-        gathered = s.root_params + s.root_trainable + 2 * s.largest_layer_params + s.largest_layer_trainable
-        items.append(
-            Item(
-                "FSDP all-gathered",
-                gathered * u.compute_bytes,
-                "per pass: root module (embeddings, head) and its unreduced gradient + 2 largest layers (current, "
-                f"prefetched) + 1 layer's unsharded gradient, {u.compute_bytes} B each",
-            )
+        # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass. Routed
+        # experts under expert parallelism are never gathered.
+        layer, layer_trainable = s.largest_layer_params, s.largest_layer_trainable
+        if u.expert_parallel:
+            layer, layer_trainable = s.largest_layer_dense_params, s.largest_layer_dense_trainable
+        gathered = s.root_params + s.root_trainable + 2 * layer + layer_trainable
+        detail = (
+            "per pass: root module (embeddings, head) and its unreduced gradient + 2 largest layers (current, "
+            f"prefetched) + 1 layer's unsharded gradient, {u.compute_bytes} B each"
         )
+        if u.expert_parallel:
+            detail += ", routed experts excluded"
+        staged = 0
+        if u.offload:
+            # The current and prefetched layers' shards are copied to the GPU before their all-gather, and one
+            # layer's reduce-scattered gradient shard waits there for its copy to the host.
+            staged = share(2 * layer * u.trainable_weight_bytes + layer_trainable * u.grad_bytes, shards)
+            detail += f" + {_size(staged)} of shards staged from and to the host"
+        items.append(Item("FSDP all-gathered", gathered * u.compute_bytes + staged, detail))
     elif shards > 1:
         # Shard groups smaller than the GPUs run different passes, so the engine gathers the whole model once per call
         # and reduces the gradient once per micro-batch (docs/distributed.md).
+        whole = s.total_params - moved + s.trainable_params - moved_trainable
         items.append(
             Item(
                 "FSDP all-gathered",
-                (s.total_params + s.trainable_params) * u.compute_bytes,
+                whole * u.compute_bytes,
                 "whole model + its unreduced gradient, gathered once per engine call (shard groups smaller than the "
-                f"GPUs run different passes), {u.compute_bytes} B each",
+                f"GPUs run different passes), {u.compute_bytes} B each"
+                + (", routed experts excluded" if moved else ""),
             )
         )
     tokens = state_tokens(u.positions)
@@ -568,8 +670,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     # (Gated DeltaNet): the final one on every GPU, and in exact mode one per chunk boundary. Sharded, a boundary
     # stays on the owner of its chunk and the reverse pass holds one more, broadcast from its owner
     # (see docs/distributed.md).
+    # With `offload_boundary_states`, the superseded boundaries wait in host memory (this GPU's share of them when
+    # sharded): the GPU keeps the newest, and the reverse pass holds the chunk's own, the restored previous one and
+    # the one in flight (or a broadcast copy).
+    offloaded = exact and u.offload_boundary_states and s.state_fixed > 0
     if not exact:
         copies = 1
+    elif offloaded:
+        copies = min(chunks, 3)
     elif state_parts > 1:
         copies = min(chunks, share(chunks - 1, state_parts) + 2)
     else:
@@ -580,13 +688,26 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         detail += f" sharded /{state_parts}"
     if s.state_fixed:
         detail += f" + {copies:,} x {_size(s.state_fixed)} fixed"
-        if exact and state_parts > 1:
+        if offloaded:
+            detail += f" (of {chunks:,} chunk boundaries: the rest wait on the host)"
+        elif exact and state_parts > 1:
             detail += f" (of {chunks:,} chunk boundaries: this GPU's share, the final one and one broadcast copy)"
         elif exact:
             detail += " (one per chunk boundary)"
         elif state_parts > 1:
             detail += ", replicated"
     items.append(Item("prompt state", per_token + copies * s.state_fixed, detail))
+    if offloaded:
+        held = share(chunks - 1, state_parts)
+        host.append(
+            Item(
+                "boundary states",
+                held * s.state_fixed,
+                f"{held:,} x {_size(s.state_fixed)} (offload_boundary_states"
+                + (f": this GPU's share of {chunks - 1:,}" if state_parts > 1 else "")
+                + ", pinned)",
+            )
+        )
     # Every branch reads every per-token record, so their gradients accumulate over the whole prompt; a recurrent
     # record's gradient lives only while the reverse pass crosses its chunk boundary (two at a time).
     boundary_grads = min(chunks, 2)
@@ -652,7 +773,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             f"{u.headroom:.0%} of the GPU: CUDA context, NCCL buffers, allocator fragmentation",
         )
     )
-    return Budget(stats, setup, items)
+    return Budget(stats, setup, items, host)
 
 
 MAX_POSITIONS = 1 << 40
@@ -710,6 +831,12 @@ def suggestions(budget: Budget, free_bytes: int | None = None) -> list[str]:
         changes["prompt_gradient='detached' (biased gradient)"] = {"mode": "detached"}
     if not u.shard_prompt_state and u.gpus > 1:
         changes["shard_prompt_state=True"] = {"shard_prompt_state": True}
+    if u.mode == "exact" and s.state_fixed and not u.offload_boundary_states:
+        changes["offload_boundary_states=True"] = {"offload_boundary_states": True}
+    if not u.offload and u.fsdp and u.gpus > 1:
+        changes["FSDP2 CPU offload of the weights, gradients and optimizer state"] = {"offload": True}
+    if s.num_experts and not u.expert_parallel and u.gpus > 1 and s.num_experts % u.gpus == 0:
+        changes["expert parallelism"] = {"expert_parallel": True}
     chunk = _best_chunk(s, u, fits)
     if chunk != u.prefill_chunk_size:
         changes[f"prefill_chunk_size={chunk}"] = {"prefill_chunk_size": chunk}
@@ -759,7 +886,11 @@ def _fewest_gpus(stats: ModelStats, setup: Setup, fits) -> int | None:
     queries, which grows with the ranks while the state shrinks).
     """
     for gpus in range(setup.gpus, MAX_GPUS + 1):
-        if fits(estimate(stats, replace(setup, gpus=gpus))):
+        try:
+            budget = estimate(stats, replace(setup, gpus=gpus))
+        except ValueError:
+            continue  # e.g. an expert-parallel group that does not divide the experts
+        if fits(budget):
             return gpus
     return None
 
@@ -837,12 +968,16 @@ def read_recipe(path: str | Path) -> Recipe:
     """
     if not Path(path).is_file():
         raise ValueError(f"--config {str(path)!r}: no such file")
+    import yaml
+
     from .recipe import make_parser
 
     try:
         script_args, training_args, model_args = make_parser().parse_args_and_config(
             args=["--config", str(path), "--bf16", "false", "--fp16", "false"]
         )
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {str(path)!r} is not valid YAML: {e}") from None
     except SystemExit:
         raise ValueError(f"--config {str(path)!r} is not a recipe config that recipes/grpo_long.py reads") from None
     return Recipe(str(path), script_args, training_args, model_args)
@@ -890,7 +1025,14 @@ def recipe_defaults(recipe: Recipe) -> dict:
         "prompt_shard_group_size": t.prompt_shard_group_size,
         "no_gradient_checkpointing": not t.gradient_checkpointing,
         "lora_rank": m.lora_r if m.use_peft else None,
+        "offload_boundary_states": t.offload_boundary_states,
+        # Expert parallelism and FSDP2's CPU offload, where the config has them (`expert_parallel_size`,
+        # `fsdp_cpu_offload`); accelerate's own `fsdp_offload_params` lives in the accelerate config: pass --offload.
+        "cpu_offload": bool(getattr(t, "fsdp_cpu_offload", False)),
     }
+    ep = getattr(t, "expert_parallel_size", 1) or 1
+    if ep > 1:
+        out.update(expert_parallel=True, ep_size=ep)
     if s.dataset_name in TASK_NAMES:
         out["positions"] = s.prompt_tokens
     targets = m.lora_target_modules
@@ -1005,6 +1147,22 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
+def format_host(budget: Budget) -> str:
+    """The host-memory part of a budget: the offloaded items per GPU, and their total per node."""
+    u = budget.setup
+    width = max(len(i.name) for i in budget.items)
+    procs = min(u.gpus, u.gpus_per_node)
+    lines = [f"host memory per node ({procs} processes), offloaded:"]
+    for item in budget.host:
+        lines.append(f"  {item.name:<{width}}  {_size(item.nbytes * procs):>11}  {item.detail}, per GPU x {procs}")
+    total = f"  {'total':<{width}}  {_size(budget.host_per_node):>11}  "
+    total += "(not counted: the processes' own memory, e.g. libraries, CUDA context, data)"
+    lines.append(total)
+    budget_line = _size(u.host_memory) if u.host_memory is not None else "not checked (pass --host-memory)"
+    lines.append(f"  {'host memory':<{width}}  {budget_line:>11}")
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trl_longstraw.plan",
@@ -1045,10 +1203,31 @@ def _parser() -> argparse.ArgumentParser:
         help="mixed (default): fp32 trainable weights, gradients and AdamW states, as Accelerate's FSDP2 sets up "
         "bf16 mixed precision; bf16: everything stored in bf16",
     )
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="MoE models: split the routed experts by expert over the GPUs (transformers' expert parallelism); they "
+        "are never all-gathered",
+    )
+    p.add_argument("--ep-size", type=int, default=0, help="GPUs per expert-parallel group; default 0, all of them")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="host memory for what is cold during a step: FSDP2 CPU offload of the sharded fp32 master weights, "
+        "gradients and optimizer state, and in exact mode the recurrent chunk-boundary states "
+        "(offload_boundary_states)",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=parse_bytes,
+        default=None,
+        help="host memory per node for the offloaded items, e.g. 1TB; default: not checked",
+    )
+    p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node, for host memory; default 8")
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
-    p.set_defaults(lora_targets=None)
+    p.set_defaults(lora_targets=None, offload_boundary_states=False, cpu_offload=False)
     return p
 
 
@@ -1108,6 +1287,12 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         grad_bytes=weight,
         optimizer_bytes=2 * weight,
         headroom=args.headroom,
+        expert_parallel=args.expert_parallel,
+        ep_size=args.ep_size,
+        offload=args.offload or args.cpu_offload,
+        offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
+        gpus_per_node=args.gpus_per_node,
+        host_memory=args.host_memory,
     )
     budget = estimate(stats, setup)
     refused = trainer_refusals(config, model, setup, recipe, original)
@@ -1137,17 +1322,21 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         f"run: {args.positions:,} prompt positions, {args.mode} mode, {args.group_size} x {args.completion_length:,}-"
         f"token completions, prefill chunk {args.prefill_chunk_size:,}, gradient checkpointing "
         + ("off" if args.no_gradient_checkpointing else "on"),
-        f"  {args.gpus} GPU(s) x {args.gpu_memory / 1e9:g} GB ({_size(args.gpu_memory)}), FSDP full sharding, "
-        f"{args.precision} precision, prompt "
-        "state "
+        f"  {args.gpus} GPU(s) x {args.gpu_memory / 1e9:g} GB ({_size(args.gpu_memory)}), FSDP full sharding"
+        + (f", expert parallel over {args.ep_size or args.gpus} GPUs" if args.expert_parallel else "")
+        + (", FSDP2 CPU offload" if args.offload or args.cpu_offload else "")
+        + f", {args.precision} precision, prompt state "
         + (
             f"sharded over groups of {args.prompt_shard_group_size or args.gpus} GPUs"
             if args.shard_prompt_state
-            else "not sharded"
+            else "not sharded (data-parallel mode: ranks run equal numbers of engine passes, FSDP2 gathers layer by "
+            "layer)"
         ),
         "",
     ]
     print("\n".join(header) + format_budget(budget, "per-GPU budget at the peak of a step:"))
+    if budget.host:
+        print(format_host(budget))
     longest = largest_positions(stats, setup)
     print()
     if budget.fits and refused:
@@ -1159,8 +1348,13 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
             print(f"  - {reason}")
     elif budget.fits:
         print(f"verdict: FITS ({_size(budget.peak)} of {_size(setup.gpu_memory)})")
-    else:
+    elif budget.peak > setup.gpu_memory:
         print(f"verdict: DOES NOT FIT (needs {_size(budget.peak)}, has {_size(setup.gpu_memory)})")
+    else:
+        print(
+            f"verdict: DOES NOT FIT in host memory (needs {_size(budget.host_per_node)} per node, has "
+            f"{_size(setup.host_memory)}; GPU {_size(budget.peak)} of {_size(setup.gpu_memory)})"
+        )
         if refused:
             print("the trainer would also refuse this setup at construction:")
             for reason in refused:

@@ -439,6 +439,9 @@ class Qwen3_5Adapter:
     # grow with the prompt and are replicated on every rank of a shard group, except the exact-mode chunk boundaries,
     # which stay on their chunk's owner (see docs/distributed.md).
     shards_prompt_state = True
+    # Decoding against a sharded prompt state: attention through `sharding.sharded_decode_attention`; the recurrent
+    # records (qwen3_5) are whole on every rank after a sharded prefill.
+    decodes_sharded = True
 
     def context_parallel(self, world: int) -> bool:
         """Whether the prompt passes of a state sharded over `world` ranks can split their tokens (see

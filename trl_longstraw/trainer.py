@@ -151,10 +151,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             get_adapter(_causal_lm(self.ref_model))
         self._shared_generation = False
         if self.args.shared_generation and not self.use_vllm and not self.use_transformers_continuous_batching:
-            if self.args.shard_prompt_state:
+            if self.args.shard_prompt_state and not getattr(adapter, "decodes_sharded", False):
                 logger.warning(
-                    "shared_generation does not decode against a sharded prompt state yet: with "
-                    "shard_prompt_state=True, generation runs through transformers' generate."
+                    f"model_type {_causal_lm(self.model).config.model_type!r} does not decode against a sharded "
+                    "prompt state yet: with shard_prompt_state=True, generation runs through transformers' generate."
                 )
             elif self.args.expert_parallel_size > 1:
                 # The experts' all-to-alls need every rank to decode the same number of steps, which transformers'
