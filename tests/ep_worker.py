@@ -176,7 +176,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     import transformers.distributed.fsdp as hf_fsdp
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from trl_longstraw.distributed import _param_groups, fsdp2_root
+    from trl_longstraw.distributed import _param_groups, fsdp2_offloads, fsdp2_root
 
     hf_fsdp.CPUOffloadPolicy = functools.partial(CPUOffloadPolicy, pin_memory=torch.cuda.is_available())
     offload_config = trainer_config(tempfile.mkdtemp(), fsdp_cpu_offload=True, **settings)
@@ -197,6 +197,8 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     fsdp_params = [fp for g in _param_groups(fsdp2_root(offloaded.model)) for fp in g.fsdp_params]
     grads = [p.grad for p in offloaded.model.parameters() if p.grad is not None]
     offload_state = {
+        # What the memory guard tells the planner (`distributed.fsdp2_offloads`), offloaded and not.
+        "detected": (fsdp2_offloads(offloaded.model), fsdp2_offloads(model)),
         "ep": all(fp.offload_to_cpu for fp in fsdp_params),
         "ep_devices": sorted({str(t.to_local().device) for t in [*offloaded.model.parameters(), *grads]}),
     }
@@ -235,7 +237,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         if offload:
             fsdp_params = [fp for g in _param_groups(fsdp) for fp in g.fsdp_params]
             grads = [p.grad for p in fsdp.parameters() if p.grad is not None]
-            offload_state["fsdp2"] = all(fp.offload_to_cpu for fp in fsdp_params)
+            offload_state["fsdp2"] = all(fp.offload_to_cpu for fp in fsdp_params) and fsdp2_offloads(fsdp)
             offload_state["fsdp2_devices"] = sorted({str(t.to_local().device) for t in [*fsdp.parameters(), *grads]})
     trainer._prompt_shards = shards
     trainer._engines.clear()

@@ -33,7 +33,7 @@ from trl.trainer.utils import RepeatSampler, split_tensor_dict
 from . import expert_parallel, guards
 from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
-from .distributed import fsdp2_root
+from .distributed import fsdp2_offloads, fsdp2_root
 from .engine import Engine, group_prompts
 from .generation import check_generation_config, generate_shared
 from .rope import rotary_modules
@@ -234,6 +234,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             # FSDP2 through accelerate, or applied by transformers at load time (expert parallelism).
             fsdp=self.is_fsdp_enabled or fsdp2_root(model) is not None,
             gpu_memory=memory[1],
+            offload=fsdp2_offloads(model),
         )
         guards.check_memory(budget, free)
         self.memory_estimate = {
