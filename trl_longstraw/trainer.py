@@ -754,9 +754,13 @@ def _prepare_expert_parallel(model, args: LongStrawGRPOConfig) -> None:
         args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
 
 
-def _check_args(args: LongStrawGRPOConfig) -> None:
-    """Settings that the engine cannot honour exactly. Each message names the alternative."""
-    expert_parallel.check_args(args, args.world_size)
+def _check_args(args: LongStrawGRPOConfig, world_size: int | None = None) -> None:
+    """Settings that the engine cannot honour exactly. Each message names the alternative.
+
+    `world_size`: the processes of the run (default: this launch's, `args.world_size`; the planner passes its GPUs).
+    """
+    world_size = args.world_size if world_size is None else world_size
+    expert_parallel.check_args(args, world_size)
     micro_batch, group = args.per_device_train_batch_size, _local_group_size(args)
     if args.group_shuffle and micro_batch % group and group % micro_batch:
         raise ValueError(
@@ -766,7 +770,7 @@ def _check_args(args: LongStrawGRPOConfig) -> None:
             f"steps_per_generation={args.steps_per_generation}). Make per_device_train_batch_size a multiple or a "
             "divisor of num_generations, or set group_shuffle=False."
         )
-    if args.on_nonfinite == "skip" and args.world_size > 1:
+    if args.on_nonfinite == "skip" and world_size > 1:
         raise ValueError(
             "on_nonfinite='skip' is supported in single-process runs only: skipping the last micro-batch of an "
             "accumulation window on every process would leave the window's gradients unsynchronized. Use "
