@@ -205,8 +205,8 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
 
     # FSDP2 as accelerate applies it (`fully_shard` on every decoder layer and the root; on CPU accelerate would turn
     # an FSDP config into DDP), with and without `CPUOffloadPolicy` (accelerate's `fsdp_offload_params: true`), in
-    # both engine modes: gathered (the prompt state unsharded, micro-batch `A` of uneven work) and per pass (the
-    # prompt state sharded over both ranks, `S`).
+    # both lockstep modes, layer by layer: data-parallel (the prompt state unsharded, micro-batch `A` of uneven work)
+    # and sharded (the prompt state sharded over both ranks, `S`).
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
@@ -222,7 +222,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
             fully_shard(layer, mesh=mesh, **policy)
         fully_shard(fsdp, mesh=mesh, **policy)
         tag = "_offload" if offload else ""
-        for mode, key, sharded in [("gathered", "A", False), ("per_pass", "S", True)]:
+        for mode, key, sharded in [("data_parallel", "A", False), ("per_pass", "S", True)]:
             trainer._prompt_shards = shards if sharded else None
             trainer._engines.clear()
             trainer.args.prompt_gradient = "exact"

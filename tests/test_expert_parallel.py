@@ -1,7 +1,7 @@
 """Expert parallelism through transformers (`expert_parallel_size`): settings checks, and 2-process CPU (gloo) runs
 of a tiny glm_moe_dsa and a tiny qwen3_moe (4 experts per MoE layer, 2 per rank) with the prompt state sharded over
-both ranks, against single-process gradients of the same global batch: stock `GRPOTrainer` in exact mode, the
-single-process engine in detached mode."""
+both ranks, and in data parallelism (no sharded state, different prompts per rank), against single-process gradients
+of the same global batch: stock `GRPOTrainer` in exact mode, the single-process engine in detached mode."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ FAMILIES = ["glm_moe_dsa", "qwen3_moe"]
 # Run with FSDP2's CPU offload -> the same run without it.
 OFFLOADED = {
     "ep_exact_offload": "ep_exact",
-    "fsdp2_gathered_offload": "fsdp2_gathered",
+    "fsdp2_data_parallel_offload": "fsdp2_data_parallel",
     "fsdp2_per_pass_offload": "fsdp2_per_pass",
 }
 # Tiny qwen3_moe: 4 experts (2 per token) in both layers, as the tiny glm_moe_dsa's MoE layers.
@@ -103,7 +103,6 @@ def reference(launch):
     dataset = Dataset.from_dict({"prompt": ["a"] * 8})
 
     def grads(trainer, checkpointing: bool = False, key: str = "S") -> dict[str, torch.Tensor | None]:
-        batch = _stock_batch(batches[key])
         trainer._prepare_inputs = lambda x: x
         trainer.current_gradient_accumulation_steps = 1
         if checkpointing:
@@ -111,7 +110,8 @@ def reference(launch):
         else:
             trainer.model.gradient_checkpointing_disable()
         trainer.model.zero_grad(set_to_none=True)
-        trainer.training_step(trainer.model, dict(batch), batch["num_items_in_batch"])
+        batch = _stock_batch(batches[key])
+        trainer.training_step(trainer.model, batch, batch["num_items_in_batch"])
         return {n: None if p.grad is None else p.grad.clone() for n, p in trainer.model.named_parameters()}
 
     stock_args = GRPOConfig(output_dir=tempfile.mkdtemp(), **settings)
@@ -197,8 +197,8 @@ def test_collectives_equal_across_ranks(launch, run):
 @pytest.mark.parametrize("run", list(OFFLOADED))
 def test_cpu_offload_gradients_identical(launch, run):
     """FSDP2's CPUOffloadPolicy (`fsdp_cpu_offload` under expert parallelism; accelerate's `fsdp_offload_params`
-    otherwise, in the engine's gathered and per-pass modes) gives bit for bit the gradients and the collectives of
-    the same step without it."""
+    otherwise, in the engine's data-parallel and sharded lockstep) gives bit for bit the gradients and the collectives
+    of the same step without it."""
     results = launch[2]
     ours, kept = results[run], results[OFFLOADED[run]]
     assert set(ours) == set(kept)
@@ -274,6 +274,7 @@ def test_check_args_accepts():
     check_args(_args(shard_prompt_state=False), 2)  # the data-parallel lockstep
     check_args(_args(model_init_kwargs={"distributed_config": distributed_config(2, 2)}), 2)  # the recipe's
     check_args(_args(expert_parallel_size=1, shard_prompt_state=False, save_only_model=False), 2)
+    check_args(_args(shard_prompt_state=False, prompt_shard_group_size=2), 4)  # groups unused without sharding
 
 
 def test_check_model_config():

@@ -68,7 +68,10 @@ class LongStrawGRPOConfig(GRPOConfig):
         shared_generation (`bool`, *optional*, defaults to `True`):
             On the transformers generation path (no vLLM), prefill each distinct prompt once and decode its G samples
             against that one state, instead of `model.generate` on G copies of the prompt. `False` generates with
-            transformers' own loop, as `GRPOTrainer` does. The vLLM paths are unchanged either way.
+            transformers' own loop, as `GRPOTrainer` does. The vLLM paths are unchanged either way. With
+            `shard_prompt_state`, the ranks of a shard group decode in lockstep against the sharded state (under FSDP,
+            only with one shard group of every process; otherwise generation falls back to `generate`, with a
+            warning). Generation settings it does not reproduce raise `ValueError` (see `generation.py`).
     """
 
     prompt_gradient: str = field(
