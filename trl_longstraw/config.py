@@ -47,10 +47,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             MoE models (`glm_moe_dsa`, `qwen3_moe`): spread each MoE layer's experts over groups of this many ranks
             through transformers' expert parallelism (`DistributedConfig(ep_size=...)`, the model's
             `base_model_ep_plan`, all-to-all token exchange); every other parameter is sharded by FSDP2 over all
-            processes. Experts are never all-gathered. Works with the prompt state unsharded or sharded over all
-            processes (both run every rank's passes in lockstep, which the experts' collectives need; not smaller
-            shard groups), must divide the number of processes and of experts, and checkpoints need
-            `save_only_model=True`. `1`: off. See `trl_longstraw/expert_parallel.py`.
+            processes. Experts are never all-gathered. Runs in the engine's lockstep (the prompt state sharded over all
+            processes, or not sharded), not with smaller shard groups; must divide the number of processes and of
+            experts; checkpoints need `save_only_model=True`. `1`: off. See `trl_longstraw/expert_parallel.py`.
         fsdp_cpu_offload (`bool`, *optional*, defaults to `False`):
             With `expert_parallel_size > 1` (transformers shards the model): FSDP2's `CPUOffloadPolicy`, i.e. the
             sharded parameters (the fp32 master weights when the model is loaded in fp32 and computes in bf16), their
@@ -132,7 +131,7 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={
             "help": "MoE models: spread each MoE layer's experts over groups of this many ranks with transformers' "
             "expert parallelism (ep_size, all-to-all), the rest sharded by FSDP2. Not with prompt shard groups "
-            "smaller than the world; needs save_only_model=True for checkpoints. 1: off."
+            "smaller than the world; checkpoints need save_only_model=True. 1: off."
         },
     )
     fsdp_cpu_offload: bool = field(
