@@ -60,7 +60,7 @@ def test_installed_command_runs_outside_the_checkout(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="1")
     where = subprocess.run(
-        [sys.executable, "-c", "import trl_longstraw; print(trl_longstraw.__file__)"],
+        [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('trl_longstraw').origin)"],
         cwd=work,
         env=env,
         capture_output=True,
@@ -81,7 +81,7 @@ def test_installed_command_runs_outside_the_checkout(tmp_path):
     assert line == "accelerate launch --cpu -m trl_longstraw.cli grpo --config tiny_cpu/config.yaml"
     # With `--num_processes 2` added: accelerate's CPU launcher starts one process, which the command says.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", *line.split()[2:]]
-    command += ["--max_steps", "1", "--output_dir", "launched"]
+    command += ["--max_steps", "1", "--num_prompts", "8", "--output_dir", "launched"]
     result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "trl_longstraw run summary" in result.stdout

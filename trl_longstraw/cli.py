@@ -285,7 +285,8 @@ def train(
     summary["train_runtime_s"] = trainer.state.log_history[-1].get("train_runtime", float("nan"))
     summary["processes"] = trainer.accelerator.num_processes
     summary["shard_group"] = trainer._prompt_shards.world if trainer._prompt_shards is not None else 0
-    summary["prompt_tokens"] = describe_lengths(prompt_token_lengths(trainer, seed=training_args.seed))
+    if trainer.accelerator.is_main_process:  # the one that prints the summary
+        summary["prompt_tokens"] = describe_lengths(prompt_token_lengths(trainer, seed=training_args.seed))
     trainer.accelerator.print("\n" + format_summary(summary, script_args, training_args))
     # The final model and its card, whatever save_strategy says of checkpoints (as TRL's scripts do).
     trainer.save_model(training_args.output_dir)
