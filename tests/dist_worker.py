@@ -15,6 +15,8 @@ runs these scenarios on them:
 - `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state and non-reentrant gradient checkpointing,
   `S`: the ranks run in lockstep, so FSDP2 gathers and frees each layer pass by pass (how many other layers are
   gathered during a prefill is recorded);
+- `sharded_long_exact`: the sharded prompt state, exact mode, micro-batch `L` (a long prompt), counting the tokens
+  that each decoder layer's MLP runs on this rank;
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
   has no gradient to back-propagate;
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, and the glm_moe_dsa sharded
@@ -29,6 +31,7 @@ collective calls, the state sizes and the recurrent records each rank holds afte
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -102,7 +105,9 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
     `A`, `B`: uneven work: the ranks hold different numbers of distinct prompts (of 0 to 3 chunks of 5 tokens) and
     completions of different lengths (1 to 9). Every rank holds 3 rows, as TRL's metric gathers need equal row
     counts. `S`: both ranks hold the same two prompts (3 and 2 chunks), with 2 + 1 and 1 + 2 completions. `C`: like
-    `S`, but rank 1's advantages are zero, so that with `beta = 0` it has no gradient to back-propagate at all.
+    `S`, but rank 1's advantages are zero, so that with `beta = 0` it has no gradient to back-propagate at all. `L`:
+    one prompt of 202 tokens (201 prefix tokens: 20 context-parallel rounds of 2 chunks, then one token that both
+    ranks run) and 2 + 2 short completions, for the MLP token counts of `sharded_long_exact`.
     """
     from trl_longstraw.testing import random_micro_batch
 
@@ -112,6 +117,7 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
         "B": ([12, 6, 2], [2, 8, 1, 7, 1, 6], [0, 0, 0, 1, 1, 2], [0, 0, 0, 1, 1, 1]),
         "S": ([13, 7], [9, 1, 5, 3, 4, 6], [0, 1, 0, 1, 0, 1], [0, 0, 0, 1, 1, 1]),
         "C": ([11, 8], [4, 2, 7, 3, 5, 1], [0, 1, 1, 0, 1, 0], [0, 0, 0, 1, 1, 1]),
+        "L": ([202], [3, 1, 2, 4], [0, 0, 0, 0], [0, 0, 1, 1]),
     }
     batches = {}
     for i, (key, (prompts, completions, prompt_of_row, rank_of_row)) in enumerate(layouts.items()):
@@ -123,6 +129,23 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
             batch["advantages"][batch["rank"] == 1] = 0.0
         batches[key] = batch
     return batches
+
+
+@contextlib.contextmanager
+def mlp_tokens_counted(model):
+    """Counts, in `[n]`, the tokens that the decoder layers' MLPs run (forward calls), averaged over the layers."""
+    count = [0]
+    layers = model.get_decoder().layers
+
+    def hook(module, inputs):
+        count[0] += inputs[0].shape[:-1].numel() / len(layers)
+
+    hooks = [layer.mlp.register_forward_pre_hook(hook) for layer in layers]
+    try:
+        yield count
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def rows_of(batch: dict, rank: int) -> dict:
@@ -546,6 +569,14 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         step(ddp, batches["S"], mode)
         results[name] = full_grads(trainer.model)
         results["collectives"][name] = log[start:]
+    # A long prompt: the tokens that run through the MLPs on this rank (context parallelism splits the prompt's).
+    start = len(log)
+    trainer.model.zero_grad(set_to_none=True)
+    with mlp_tokens_counted(trainer.model) as mlp_tokens:
+        step(ddp, batches["L"], "exact")
+    results["sharded_long_exact"] = full_grads(trainer.model)
+    results["collectives"]["sharded_long_exact"] = log[start:]
+    results["mlp_tokens"] = mlp_tokens[0]
     # The same exact step with the recurrent boundaries in host memory (offload_boundary_states): owners stash theirs
     # after the prefill and restore them before broadcasting them in the reverse pass.
     trainer.args.offload_boundary_states = True
@@ -614,6 +645,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         held,
         boundary_broadcast,
         results["others_gathered"],
+        results["mlp_tokens"],
     )
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -624,6 +656,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["boundaries"] = [e[4] for e in everyone]
         results["boundary_broadcast"] = [e[5] for e in everyone]
         results["others_gathered"] = [e[6] for e in everyone]
+        results["mlp_tokens"] = [e[7] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 
