@@ -12,7 +12,9 @@ The decoder interleaves two token mixers:
   `[1, C, kernel - 1]` and `[1, Hv, Dk, Dv]` fp32, and it supersedes the records of earlier chunks: detached mode keeps
   one per layer. Exact mode keeps one per chunk boundary (`PromptState.boundaries`), since the reverse pass restarts
   every chunk from the state at its start; with a sharded prompt state, each boundary only on the rank owning its
-  chunk (plus the final one on every rank), broadcast to every rank when the reverse pass reaches it.
+  chunk (plus the final one on every rank), broadcast to every rank when the reverse pass reaches it. In a
+  context-parallel round of a sharded state (`context_parallel`) the conv and delta rule run head-parallel over the
+  ranks (`_round_core`).
 
 While the engine runs, the DeltaNet modules' `forward` is replaced by `_gated_deltanet_forward`, which starts from the
 last visible record (zero history and zero state if none), never writes a tensor in place (the stock cache's

@@ -1,9 +1,10 @@
 """Prompt state sharded across the ranks of a process group (`shard_prompt_state`).
 
 The ranks of a *shard group* hold the same prompts in every micro-batch (different completions of them). Each rank
-keeps the records of 1/W of the prompt's chunks: chunk `c` belongs to rank `c % W`. Every rank runs every prefill
-and reverse chunk (the chunk's token-wise compute is replicated, its state and its prompt attention are not), so the
-prompt state shrinks W times.
+keeps the records of 1/W of the prompt's chunks: chunk `c` belongs to rank `c % W`, so the prompt state shrinks W
+times. With context parallelism (adapters that support it, see `context_parallel`) the prefill and reverse passes
+run in rounds in which each rank runs the chunk it owns (`PromptShards.cp_round`); otherwise every rank runs every
+prefill and reverse chunk (the chunk's token-wise compute is replicated, its state and its prompt attention are not).
 
 Attention over the prompt is a log-sum-exp merge of per-shard parts (`sharded_prefix_attention`), done in one of two
 ways. In a *replicated* pass (a prefill or reverse chunk, `PromptShards.replicated`) every rank runs the same
@@ -15,7 +16,9 @@ gathered, each rank scores them against its own chunks, the partial outputs and 
 owners (one all-to-all) and are merged there with the branch's causal part. The backward is the flash
 decomposition: the owners' `dout`, `delta = rowsum(dout * out)` and global log-sum-exp are gathered, each rank
 computes the gradient of its own chunks (which thus stays on the rank that owns the record: exact mode reverses it
-there) and its share of every rank's query gradient, which an all-to-all returns to the query owners.
+there) and its share of every rank's query gradient, which an all-to-all returns to the query owners. A
+*context-parallel round* is the same exchange in which each rank also attends the queries of the ranks after it to
+its own chunk's keys (the chunks of a round follow each other in rank order).
 
 Lockstep: a pass's collectives must meet partners on every rank, so all ranks run the same sequence of passes. Prompts
 are taken in one agreed order; prefill and reverse chunks are the same everywhere; branches run in rounds, and a rank
