@@ -451,13 +451,13 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         out = (weights * torch.cat([o_self, received[..., :dv]], dim=0)).sum(0, keepdim=True)  # [1, Hkv, g, T, Dv]
         ctx.kind, ctx.scale, ctx.shards, ctx.lengths, ctx.in_round = kind, scale, shards, lengths, in_round
         ctx.extras = extras
-        ctx.save_for_backward(q, k, v, qall, out, lse, *prefix)
+        ctx.save_for_backward(q, k, v, out, lse, *prefix)
         return out.view(1, hq, t, dv).to(q.dtype)
 
     @staticmethod
     @autocast_off
     def backward(ctx, grad_out):
-        q, k, v, qall, out, lse, *prefix = ctx.saved_tensors
+        q, k, v, out, lse, *prefix = ctx.saved_tensors
         shards, scale, lengths, kind, extras = ctx.shards, ctx.scale, ctx.lengths, ctx.kind, ctx.extras
         world, group = shards.world, shards.group
         _, hq, t, d = q.shape
@@ -489,16 +489,19 @@ class _ShardedPrefixAttention(torch.autograd.Function):
             dk = dke.view(1, hkv, g, t, -1).sum(2, dtype=acc).to(k.dtype)
             dvv = dve.view(1, hkv, g, t, -1).sum(2, dtype=acc).to(v.dtype)
 
-        # Every rank's dout, delta (portable path) or out (kernels), and lse. Padded rows are zero: their scores are
-        # 0, p = 1 and dp = delta = 0.
+        # Every rank's queries (gathered again rather than kept from the forward: W times the queries per layer), dout,
+        # delta (portable path) or out (kernels), and lse, in the accumulation dtype, which holds the queries exactly.
+        # Padded rows are zero: their scores are 0, p = 1 and dp = delta = 0.
         middle = delta[..., None] if kind is None else out
-        mine = _pad_t(torch.cat([dout, middle, lse[..., None]], dim=-1), tmax, 3)
+        mine = torch.cat([q.view(1, hkv, g, t, d).to(acc), dout, middle, lse[..., None]], dim=-1)
+        mine = _pad_t(mine, tmax, 3)
         width = mine.shape[-1]
         theirs = _all_gather(mine, world, group)  # [W, Hkv, g, Tmax, width]
         theirs = theirs.permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, width)
-        dout_all, lse_all = theirs[..., :dv], theirs[..., -1]
-        delta_all = theirs[..., dv] if kind is None else None
-        out_all = None if kind is None else theirs[..., dv : 2 * dv]
+        qall = theirs[..., :d].to(q.dtype)
+        dout_all, lse_all = theirs[..., d : d + dv], theirs[..., -1]
+        delta_all = theirs[..., d + dv] if kind is None else None
+        out_all = None if kind is None else theirs[..., d + dv : d + 2 * dv]
         dq_all = torch.zeros(qall.shape, dtype=acc, device=q.device)
         prefix_grads = []
         for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
