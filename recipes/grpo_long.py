@@ -31,27 +31,11 @@ LongStrawGRPOTrainer takes text prompts only.
 
 from __future__ import annotations
 
-import os
 import sys
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import ModelConfig, get_peft_config
-from trl.trainer.utils import create_model_from_path
-
-from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
-from trl_longstraw.recipe import (
-    TINY_MODEL_PREFIX,
-    LongStrawScriptArguments,
-    build_dataset,
-    check_rope_override,
-    format_summary,
-    make_parser,
-    peak_memory_gib,
-    resolve_model_path,
-    reward_function,
-    summarize,
-)
+from trl_longstraw.cli import main as cli_main
+from trl_longstraw.cli import parse as cli_parse
+from trl_longstraw.cli import train as main  # noqa: F401  (the notebooks call grpo_long.main(*parse(...)))
 
 # The embedded default, run when the script gets no arguments; `recipes/configs/tiny_cpu.yaml` holds the same values
 # (a test checks that they agree). See `trl_longstraw.tasks` for what the tiny model learns within these steps.
@@ -86,80 +70,11 @@ TINY_CPU_DEFAULTS: dict = {
 }
 
 
-def parse(argv: list[str]) -> tuple[LongStrawScriptArguments, LongStrawGRPOConfig, ModelConfig]:
+def parse(argv: list[str]):
     """Parses `argv` like the command line; with no arguments at all, the embedded default `TINY_CPU_DEFAULTS`."""
-    parser = make_parser()
-    if not argv:
-        parser.set_defaults_with_config(**TINY_CPU_DEFAULTS)
-    return parser.parse_args_and_config(argv)
-
-
-def main(
-    script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, model_args: ModelConfig
-) -> LongStrawGRPOTrainer:
-    """Trains, prints the run summary, saves the model unless `save_strategy` is `"no"`, and returns the trainer."""
-    is_tiny = (model_args.model_name_or_path or "").startswith(TINY_MODEL_PREFIX)
-    if is_tiny and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        # A tiny model gains nothing from intra-op threads, and on a shared CPU their spin-waiting makes each op many
-        # times slower (measured: 0.3 s against 10-20 s per micro-batch on 2 busy cores).
-        torch.set_num_threads(1)
-    model_path = resolve_model_path(
-        model_args.model_name_or_path, training_args.output_dir, training_args.seed, script_args.tiny_hidden_size
-    )
-
-    model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-    }
-    if training_args.distributed_state.distributed_type != "NO":
-        model_init_kwargs["device_map"] = None  # each rank loads the model itself, as in GRPOTrainer
-    model_init_kwargs.update(training_args.model_init_kwargs or {})
-    check_rope_override(
-        model_path,
-        model_init_kwargs,
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-    )
-    model = create_model_from_path(model_path, architecture=AutoModelForCausalLM, **model_init_kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_path,
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        padding_side="left",
-        truncation_side="left",
-    )
-    # GRPOTrainer reads model_init_kwargs again only to build a reference model (beta > 0): give it the policy's.
-    training_args.model_init_kwargs = model_init_kwargs if training_args.beta != 0.0 else None
-
-    trainer = LongStrawGRPOTrainer(
-        model=model,
-        reward_funcs=[reward_function(name) for name in script_args.reward_funcs],
-        args=training_args,
-        train_dataset=build_dataset(script_args, tokenizer, seed=training_args.seed),
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-    )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-
-    summary = summarize(trainer.state.log_history)
-    summary["peak_memory_what"], summary["peak_memory_gib"] = peak_memory_gib()
-    summary["train_runtime_s"] = trainer.state.log_history[-1].get("train_runtime", float("nan"))
-    summary["processes"] = trainer.accelerator.num_processes
-    summary["shard_group"] = trainer._prompt_shards.world if trainer._prompt_shards is not None else 0
-    trainer.accelerator.print("\n" + format_summary(summary, script_args, training_args))
-    if training_args.save_strategy != "no":
-        trainer.save_model(training_args.output_dir)
-    trainer.end()
-    return trainer
+    return cli_parse(argv, defaults=None if argv else TINY_CPU_DEFAULTS)
 
 
 if __name__ == "__main__":
-    trained = main(*parse(sys.argv[1:]))
-    if trained.accelerator.num_processes > 1:
-        # The run is complete and the process group destroyed; a gloo (CPU) run can still abort in interpreter
-        # teardown ("terminate called without an active exception"), which the launcher would report as a failure.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    # `trl_longstraw.cli` trains, prints the summary and saves; this script adds only the embedded default.
+    sys.exit(cli_main(["grpo", *sys.argv[1:]], defaults=None if sys.argv[1:] else TINY_CPU_DEFAULTS))

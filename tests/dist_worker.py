@@ -7,18 +7,24 @@ runs these scenarios on them:
 - `ddp_exact`: DDP, exact mode, micro-batch `A` under `no_sync` (gradient accumulation), then `B` synchronized;
 - `ddp_detached`: DDP, detached mode, `B`;
 - `fsdp2_exact`: `fully_shard` on every decoder layer and the root, exact mode, `A` under
-  `set_requires_gradient_sync(False)`, then `B`;
+  `set_requires_gradient_sync(False)`, then `B`: the ranks run different work, so the engine's data-parallel
+  lockstep pads their passes to equal counts and FSDP2 gathers and frees each layer pass by pass;
 - `fsdp2_detached`: the same model, detached mode, `B`;
 - `sharded_exact` / `sharded_detached`: DDP with the prompt state sharded over both ranks, micro-batch `S` (the
   ranks hold the same prompts, different completions); `sharded_exact` with non-reentrant gradient checkpointing;
 - `offload_sharded_exact`: `sharded_exact` with `offload_boundary_states` (the boundaries in host memory);
 - `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state and non-reentrant gradient checkpointing,
-  `S`: the ranks run in lockstep, so FSDP2 gathers and frees each layer pass by pass (how many other layers are
-  gathered during a prefill is recorded);
+  `S`: the ranks run in lockstep, so FSDP2 gathers and frees each layer pass by pass;
+- `fsdp2_grouped_sharded_detached`: the FSDP2 model with the prompt state sharded over groups of one rank each
+  (smaller than the world: different passes, so the engine gathers the whole model once per call), detached, `B`;
 - `sharded_long_exact`: the sharded prompt state, exact mode, micro-batch `L` (a long prompt), counting the tokens
   that each decoder layer's MLP runs on this rank;
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
   has no gradient to back-propagate;
+- `fsdp2_batched_scoring`: the FSDP2 model scores `A` with branches packed into batches of at most `BATCH_TOKENS`
+  tokens, as for old-policy and reference log-probs;
+- for every FSDP2 scenario, at each unshard (prefetches included) and each wait for one, how many decoder layers
+  are gathered or being gathered, and how many hold unsharded parameters (`gathered`);
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, and the glm_moe_dsa sharded
   selection and latent attention against their references, in fp64; `PromptShards.broadcast_boundary` alone on
   records of mixed dtypes.
@@ -74,6 +80,10 @@ def count_collectives(log: list) -> None:
     for name in COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+# Token budget of a batch of branches in the batched scoring (`Engine.score(batch_tokens=...)`).
+BATCH_TOKENS = 9
 
 
 def trainer_config(output_dir: str, **overrides):
@@ -485,7 +495,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     trainer._prepare_inputs = lambda x: x
     trainer.current_gradient_accumulation_steps = 1
     count_collectives(log)
-    results: dict = {"collectives": {}, "state_bytes": {}, "others_gathered": {}}
+    results: dict = {"collectives": {}, "state_bytes": {}, "gathered": {}}
     attention_errors = sharded_attention_errors(rank, world) | sharded_dsa_errors(rank, world)
     boundary_broadcast = boundary_broadcast_problems(rank)
 
@@ -535,27 +545,58 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
     assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
-    # While a decoder layer runs without autograd (prefill), how many other decoder layers hold gathered parameters:
-    # all of them when the engine gathers once per call, none when FSDP2 gathers pass by pass.
-    others_gathered: list[int] = []
+    # Whenever FSDP2 gathers a parameter group (an unshard, a prefetch included, or the wait that completes one), how
+    # many decoder layers are gathered or being gathered, and how many hold their unsharded (plain tensor, not
+    # DTensor) parameters: at most the running layer and one prefetched when FSDP2 gathers pass by pass, every layer
+    # when the engine gathers once per call.
+    gathered: list[tuple[int, int]] = []
+    layer_groups = [_param_groups_of(layer) for layer in fsdp.model.layers]
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    def watch(module, args):
-        if not torch.is_grad_enabled():
-            others = [layer for layer in fsdp.model.layers if layer is not module]
-            others_gathered.append(sum(g.is_unsharded for layer in others for g in _param_groups_of(layer)))
+    def probed(fn):
+        def wrapper(self, *args, **kwargs):
+            out = fn(self, *args, **kwargs)
+            held = sum(any(g.is_unsharded or g._all_gather_result is not None for g in gs) for gs in layer_groups)
+            plain = sum(not isinstance(next(layer.parameters()), DTensor) for layer in fsdp.model.layers)
+            gathered.append((held, plain))
+            return out
 
-    for layer in fsdp.model.layers:
-        layer.register_forward_pre_hook(watch)
+        return wrapper
+
+    FSDPParamGroup.unshard = probed(FSDPParamGroup.unshard)
+    FSDPParamGroup.wait_for_unshard = probed(FSDPParamGroup.wait_for_unshard)
+
+    def most_gathered() -> tuple[int, int, int]:
+        """`(probes, most layers gathered or gathering, most layers with unsharded parameters)` since the last call."""
+        probes = (len(gathered), max(h for h, _ in gathered), max(p for _, p in gathered))
+        gathered.clear()
+        return probes
+
     for name, mode, micro_batches in [("fsdp2_exact", "exact", "AB"), ("fsdp2_detached", "detached", "B")]:
         start = len(log)
         fsdp.zero_grad(set_to_none=True)
+        gathered.clear()
         for i, key in enumerate(micro_batches):
             fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
             step(fsdp, batches[key], mode)
         results[name] = full_grads(fsdp)
         results["collectives"][name] = log[start:]
+        results["gathered"][name] = most_gathered()
         assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
-    results["others_gathered"]["fsdp2"] = max(others_gathered)
+    # Scoring with branches packed into batches of at most BATCH_TOKENS tokens (old-policy and reference log-probs),
+    # on `A`: the ranks run different numbers of prompts, chunks and batches.
+    local = rows_of(batches["A"], rank)
+    start = len(log)
+    with torch.no_grad():
+        batched_logps, _ = trainer._engine(fsdp).score(
+            local["prompt_ids"],
+            local["prompt_mask"],
+            local["completion_ids"],
+            local["completion_mask"],
+            batch_tokens=BATCH_TOKENS,
+        )
+    results["collectives"]["fsdp2_batched_scoring"] = log[start:]
+    results["gathered"]["fsdp2_batched_scoring"] = most_gathered()
 
     # Sharded prompt state (over DDP).
     set_sharded(True)
@@ -593,14 +634,28 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     start = len(log)
     fsdp.zero_grad(set_to_none=True)
     fsdp.set_requires_gradient_sync(True)
-    others_gathered.clear()
+    gathered.clear()
     # With non-reentrant checkpointing, as the recipes run FSDP2: recomputed layers are gathered again by FSDP2.
     fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     step(fsdp, batches["S"], "exact")
     fsdp.gradient_checkpointing_disable()
     results["fsdp2_sharded_exact"] = full_grads(fsdp)
     results["collectives"]["fsdp2_sharded_exact"] = log[start:]
-    results["others_gathered"]["fsdp2_sharded_exact"] = max(others_gathered)
+    results["gathered"]["fsdp2_sharded_exact"] = most_gathered()
+    # Shard groups smaller than the world (one rank each) run different passes: the engine gathers the whole model
+    # once per call (`distributed.fsdp2_gathered` without per_pass).
+    from trl_longstraw.sharding import PromptShards
+
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    trainer._prompt_shards = PromptShards(singles[rank])
+    trainer._engines.clear()
+    start = len(log)
+    fsdp.zero_grad(set_to_none=True)
+    gathered.clear()
+    step(fsdp, batches["B"], "detached")
+    results["fsdp2_grouped_sharded_detached"] = full_grads(fsdp)
+    results["collectives"]["fsdp2_grouped_sharded_detached"] = log[start:]
+    results["gathered"]["fsdp2_grouped_sharded_detached"] = most_gathered()
     # An idle rank: nothing to back-propagate on rank 1 (micro-batch C, beta = 0), sharded or not.
     trainer.beta = 0.0
     for name, model, sharded in [
@@ -611,9 +666,12 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         set_sharded(sharded)
         start = len(log)
         model.zero_grad(set_to_none=True)
+        gathered.clear()
         step(model, batches["C"], "exact")
         results[name] = full_grads(model.module if model is ddp else model)
         results["collectives"][name] = log[start:]
+        if model is fsdp:
+            results["gathered"][name] = most_gathered()
     trainer.beta = config.beta
     set_sharded(True)
     engine = trainer._engine(ddp)
@@ -644,7 +702,8 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         attention_errors,
         held,
         boundary_broadcast,
-        results["others_gathered"],
+        results["gathered"],
+        batched_logps,
         results["mlp_tokens"],
     )
     dist.all_gather_object(everyone, mine)
@@ -655,8 +714,9 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["attention_errors"] = [e[3] for e in everyone]
         results["boundaries"] = [e[4] for e in everyone]
         results["boundary_broadcast"] = [e[5] for e in everyone]
-        results["others_gathered"] = [e[6] for e in everyone]
-        results["mlp_tokens"] = [e[7] for e in everyone]
+        results["gathered"] = [e[6] for e in everyone]
+        results["batched_logps"] = [e[7] for e in everyone]
+        results["mlp_tokens"] = [e[8] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

@@ -44,3 +44,27 @@ def test_fsdp2_config(flags):
     assert not plugin.activation_checkpointing
     if flags is MULTI_NODE:
         assert (args.num_machines, args.num_processes, args.machine_rank) == (4, 32, 2)
+
+
+@pytest.mark.parametrize("flags", [["--num_processes", "8"], MULTI_NODE], ids=["8-gpus", "32-gpus"])
+def test_fsdp2_offload_config(flags):
+    """fsdp2.yaml plus FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state in host memory)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    args, env = _launch("fsdp2_offload.yaml", flags)
+    assert args.use_fsdp
+    with mock.patch.dict(os.environ, env):
+        plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    assert plugin.reshard_after_forward is True and not plugin.activation_checkpointing
+
+
+@pytest.mark.parametrize("flags", [["--num_processes", "8"], MULTI_NODE], ids=["8-gpus", "32-gpus"])
+def test_expert_parallel_config(flags):
+    """A plain multi-GPU launch: transformers shards the model (experts and FSDP2) as it loads it, so accelerate
+    neither wraps it in DDP (the trainer skips the wrap for such a model) nor shards it again."""
+    args, env = _launch("expert_parallel.yaml", flags)
+    assert args.multi_gpu and not args.use_fsdp and not args.use_deepspeed
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    assert args.num_processes == int(flags[flags.index("--num_processes") + 1])

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from dist_worker import make_batches, mlp_tokens_counted, trainer_config
+from dist_worker import BATCH_TOKENS, make_batches, mlp_tokens_counted, trainer_config
 from tolerances import ATTN_ATOL_FP32, DIST_GRAD_RTOL, LOGP_ATOL, SHARDED_ATTN_ATOL_FP64, SHARDED_GRAD_RTOL
 from transformers import AutoConfig
 
 from trl_longstraw import LongStrawGRPOTrainer
 from trl_longstraw.sharding import shard_group_size
-from trl_longstraw.testing import build_tokenizer
+from trl_longstraw.testing import build_tokenizer, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +42,7 @@ EXPECTED = {
     "sharded_exact": "sharded_exact",
     "sharded_detached": "sharded_detached",
     "fsdp2_sharded_exact": "sharded_exact",
+    "fsdp2_grouped_sharded_detached": "detached",
     "offload_sharded_exact": "sharded_exact",
     "sharded_long_exact": "sharded_long_exact",
     "ddp_idle_rank": "idle_rank",
@@ -49,6 +50,8 @@ EXPECTED = {
     "sharded_idle_rank": "idle_rank",
 }
 SCENARIOS = list(EXPECTED)
+# Scenarios whose ranks run the same collectives: all but shard groups of one rank each, which run their own passes.
+SAME_COLLECTIVES = [s for s in SCENARIOS if s != "fsdp2_grouped_sharded_detached"]
 
 
 def _reward(completions, **kwargs):
@@ -59,8 +62,11 @@ def _reward(completions, **kwargs):
 def launch(request, tiny_model_path, tmp_path_factory):
     """Runs the worker on 2 processes; returns `(family, model path, batches, results, return code, output)`."""
     family = request.param
-    path = tiny_model_path(family)
     tmp = tmp_path_factory.mktemp(f"dist-{family}")
+    # At least 3 decoder layers, so that holding 2 (one running, one prefetched) is not holding them all.
+    path = tiny_model_path(family)
+    if AutoConfig.from_pretrained(path).num_hidden_layers < 3:
+        path = save_tiny_model(tmp / "model", family, num_hidden_layers=4)
     batches = make_batches(len(build_tokenizer()))
     torch.save(batches, tmp / "batches.pt")
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -117,6 +123,11 @@ def reference(launch):
             s["prompt_ids"], s["prompt_mask"], s["completion_ids"], s["completion_mask"]
         )
     refs["sharded_logps"] = logps
+    a = batches["A"]
+    with torch.no_grad():
+        refs["batched_logps"], _ = trainer._engine(trainer.model).score(
+            a["prompt_ids"], a["prompt_mask"], a["completion_ids"], a["completion_mask"], batch_tokens=BATCH_TOKENS
+        )
     return refs
 
 
@@ -200,14 +211,52 @@ def test_context_parallel_splits_mlp_tokens(launch, reference):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-def test_fsdp2_per_pass_under_sharded_state(launch):
-    """With the prompt state sharded over every rank (lockstep), FSDP2 gathers each layer for its pass and frees it:
-    while a layer runs the prefill, no other decoder layer is gathered. Without it, the engine gathers every layer
-    once per call (all others gathered), so the probe tells the two apart."""
+@pytest.mark.parametrize("scenario", ["fsdp2_exact", "fsdp2_detached", "fsdp2_idle_rank", "fsdp2_sharded_exact"])
+def test_fsdp2_gathers_layer_by_layer(launch, scenario):
+    """FSDP2 really shards, and gathers each decoder layer for its pass and frees it: whenever it gathers a parameter
+    group, at most 2 of the model's 3 or 4 decoder layers (the running one and one prefetched) are gathered or being
+    gathered, and at most 2 hold unsharded parameters (the others are DTensor shards). Both in the data-parallel
+    lockstep (uneven prompts, chunks and completions per rank; an idle rank) and with the prompt state sharded
+    over every rank; the engine's former once-per-call gathering would hold every layer."""
     results = _results(launch)
-    for per_rank in results["others_gathered"]:
-        assert per_rank["fsdp2"] >= 1
-        assert per_rank["fsdp2_sharded_exact"] == 0
+    layers = AutoConfig.from_pretrained(launch[1]).num_hidden_layers
+    assert layers >= 3
+    for rank, per_rank in enumerate(results["gathered"]):
+        probes, held, unsharded = per_rank[scenario]
+        assert probes > 0, f"rank {rank}: FSDP2 gathered nothing"
+        assert held <= 2 and unsharded <= 2, f"rank {rank}: {held} layers gathered, {unsharded} unsharded of {layers}"
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
+def test_fsdp2_batched_scoring(launch, reference):
+    """Scoring under FSDP2 with branches packed into batches (llama; one branch per pass for the other families), the
+    ranks holding different numbers of prompts, chunks and batches: each rank's log-probs equal the single-process
+    ones of its rows, with the same collectives on both ranks and at most 2 decoder layers gathered."""
+    results = _results(launch)
+    rank_of_row = launch[2]["A"]["rank"]
+    for rank, logps in enumerate(results["batched_logps"]):
+        torch.testing.assert_close(logps, reference["batched_logps"][rank_of_row == rank], rtol=0, atol=LOGP_ATOL)
+    rank0, rank1 = (per_rank["fsdp2_batched_scoring"] for per_rank in results["collectives"])
+    assert rank0 == rank1 and "all_gather_single" in {name for name, _ in rank0}
+    for per_rank in results["gathered"]:
+        assert per_rank["fsdp2_batched_scoring"][1] <= 2
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_fsdp2_gathers_whole_model_for_smaller_shard_groups(launch):
+    """Shard groups smaller than the world run different passes, so the engine gathers every decoder layer once per
+    call (and the probe of `test_fsdp2_gathers_layer_by_layer` sees it); the collectives over all ranks still match:
+    one all-gather per FSDP module, then the sync pass's reduce-scatters."""
+    results = _results(launch)
+    layers = AutoConfig.from_pretrained(launch[1]).num_hidden_layers
+    for per_rank in results["gathered"]:
+        _, held, unsharded = per_rank["fsdp2_grouped_sharded_detached"]
+        assert held == unsharded == layers
+    fsdp2 = ("all_gather_single", "reduce_scatter_single")
+    world_level = [
+        [c for c in per_rank["fsdp2_grouped_sharded_detached"] if c[0] in fsdp2] for per_rank in results["collectives"]
+    ]
+    assert world_level[0] == world_level[1] and world_level[0]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
@@ -264,7 +313,7 @@ def test_sharded_attention_fp64(launch):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("scenario", SAME_COLLECTIVES)
 def test_collectives_equal_across_ranks(launch, scenario):
     """Despite uneven work (different prompts, chunk counts, completions and lengths per rank), both ranks issue the
     same collectives with the same shapes in the same order; the DDP wrapper never runs forward (checked in the

@@ -1,12 +1,19 @@
 """Shared-prompt generation: one prefill per distinct prompt; greedy equals stock, sampling is stock's sampler."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from grpo_pair import PROMPTS, generation_inputs, make_pair
 from peft import LoraConfig
+from tolerances import LOGP_ATOL
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from trl_longstraw.generation import generation_config_for_decoder, shared_prompt_decoder
+from trl_longstraw.testing import save_tiny_model
 
 GREEDY = {"do_sample": False}
 
@@ -32,6 +39,93 @@ def test_greedy_completions_equal_stock(tiny_model_path, family, pad_to_multiple
     lengths = {len(c) for c in got}
     assert 1 in lengths and 9 in lengths, "the prompts should cover EOS at once and no EOS at all"
     assert any(c[-1] == stock.eos_token_ids[0] and len(c) > 1 for c in got), "and EOS midway"
+
+
+class Recorder(LogitsProcessor):
+    """Records the processed scores of every step; changes nothing."""
+
+    def __init__(self):
+        self.scores = []
+
+    def __call__(self, input_ids, scores):
+        self.scores.append(scores.clone())
+        return scores
+
+
+def stock_and_ours(trainer, text: str, pad: int, rows: int, seed: int = 123, **settings):
+    """`generate` on `rows` copies of `text` left-padded by `pad`, with stock's `_sample` loop and with the
+    shared-prompt decoder, from the same seed. Returns per loop the output ids `[rows, width + T]` and the processed
+    scores `[rows, V]` of every step."""
+    model = trainer.model
+    prompt = trainer.processing_class(text=text)["input_ids"]
+    ids = torch.tensor([[0] * pad + prompt] * rows)
+    mask = torch.tensor([[0] * pad + [1] * len(prompt)] * rows)
+    config = GenerationConfig(pad_token_id=0, eos_token_id=[1], disable_compile=True, **settings)
+    outputs = []
+    for custom in (None, shared_prompt_decoder(trainer._engine(model), torch.tensor(prompt))):
+        recorder = Recorder()
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=generation_config_for_decoder(config) if custom else config,
+                logits_processor=LogitsProcessorList([recorder]),
+                custom_generate=custom,
+            )
+        outputs.append((out, recorder.scores))
+    return outputs
+
+
+def assert_same_steps(stock, ours) -> None:
+    """Same tokens, and at every step the same processed distribution (log-probs within LOGP_ATOL)."""
+    (stock_out, stock_scores), (our_out, our_scores) = stock, ours
+    assert torch.equal(our_out, stock_out)
+    assert len(our_scores) == len(stock_scores) > 0
+    for a, b in zip(stock_scores, our_scores, strict=True):
+        torch.testing.assert_close(b.log_softmax(-1), a.log_softmax(-1), atol=LOGP_ATOL, rtol=0)
+
+
+# Prompts of 1 to 11 tokens: left-padded by different amounts, most longer than one prefill chunk (3, which divides
+# none of them), one with no prefix at all.
+LONG_ROWS = ["a b c d e f g h i j k", "x", "h i j k l m n", "a b c d e f g h i j k", "key value is 3", "x"]
+
+
+def capture_prompt_states(engine) -> list:
+    """Wraps `engine.prefill` to keep each prompt state it returns, with a copy of its tensors at that time."""
+    states, prefill = [], engine.prefill
+
+    def recording(*args, **kwargs):
+        state = prefill(*args, **kwargs)
+        states.append((state, [t.clone() for t in state.tensors()]))
+        return state
+
+    engine.prefill = recording
+    return states
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "glm_moe_dsa"])
+def test_greedy_decoding_against_the_prompt_state_equals_stock(tiny_model_path, family):
+    """Greedy completions equal transformers' `generate` token for token, and decoding never writes the prompt
+    state: each row starts from its records (Gated DeltaNet: the final conv tail and recurrent state) and keeps
+    its own."""
+    settings = dict(generation_kwargs=GREEDY, max_completion_length=8, longstraw={"prefill_chunk_size": 3})
+    stock, ours = make_pair(tiny_model_path(family), **settings)
+    assert ours._shared_generation
+    ids = tokenize(stock, LONG_ROWS)
+    states = capture_prompt_states(ours._engine(ours.model))
+    expected, _ = stock._generate_single_turn(ids, None, {}, 2)
+    got, _ = ours._generate_single_turn(ids, None, {}, 2)
+    assert got == expected
+    assert len(states) == len({tuple(p) for p in ids}), "one prefill per distinct prompt"
+    assert max(state.num_chunks for state, _ in states) > 1
+    for state, before in states:
+        after = list(state.tensors())
+        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert len({len(c) for c in got}) > 1, "completions of different lengths (EOS midway)"
+    # Step by step: the decoded distribution is stock's, not only its argmax.
+    steps = stock_and_ours(ours, LONG_ROWS[0], pad=3, rows=2, max_new_tokens=6, do_sample=False)
+    assert_same_steps(*steps)
 
 
 def test_greedy_with_repetition_penalty_equals_stock(tiny_model_path):
@@ -69,17 +163,6 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model_path):
     assert stock_calls[0] == len(ROWS) * max(len(p) for p in groups)
 
 
-class Recorder(LogitsProcessor):
-    """Records the processed scores of every step; changes nothing."""
-
-    def __init__(self):
-        self.scores = []
-
-    def __call__(self, input_ids, scores):
-        self.scores.append(scores.clone())
-        return scores
-
-
 SAMPLING = [
     {"temperature": 0.7},
     {"temperature": 1.3, "top_k": 5},
@@ -88,43 +171,31 @@ SAMPLING = [
 ]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
 @pytest.mark.parametrize("settings", SAMPLING)
-def test_sampling_is_stocks_sampler(tiny_model_path, settings):
+def test_sampling_is_stocks_sampler(tiny_model_path, tmp_path, family, settings):
     """Same rows and seed: stock's `_sample` and the shared-prompt decoder draw the same tokens, step by step from
-    the same processed distribution (temperature, top-k, top-p, min-p, repetition penalty, EOS then padding)."""
-    _, ours = make_pair(tiny_model_path("llama"))
-    model = ours.model
-    prompt = ours.processing_class(text="h i j k l m n")["input_ids"]
-    width = len(prompt) + 2  # left padding, as in a batch with a longer prompt
-    rows = torch.tensor([[0, 0] + prompt] * 5)
-    mask = torch.tensor([[0, 0] + [1] * len(prompt)] * 5)
-    config = GenerationConfig(
-        max_new_tokens=12, do_sample=True, pad_token_id=0, eos_token_id=[1], disable_compile=True, **settings
+    the same processed distribution (temperature, top-k, top-p, min-p, repetition penalty, EOS then padding).
+
+    GLM with a DSA top-k above every length here (dense attention): sampled rows feed the pad token (after EOS, or
+    drawn), whose zero embedding gives indexer scores of exactly 0, so its keys tie at the top-k cut-off, where
+    stock's `torch.topk` order is unspecified (see glm_moe_dsa.py). The selection at decode is tested on its own
+    (tests/test_glm_moe_dsa.py) and by the greedy test above."""
+    dense = {"index_topk": 64} if family == "glm_moe_dsa" else None
+    _, ours = make_pair(save_tiny_model(tmp_path, family, **dense) if dense else tiny_model_path(family))
+    stock_run, our_run = stock_and_ours(
+        ours, "h i j k l m n", pad=2, rows=5, max_new_tokens=12, do_sample=True, **settings
     )
-    outputs = []
-    for custom in (None, shared_prompt_decoder(ours._engine(model), torch.tensor(prompt))):
-        recorder = Recorder()
-        torch.manual_seed(123)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=rows,
-                attention_mask=mask,
-                generation_config=generation_config_for_decoder(config) if custom else config,
-                logits_processor=LogitsProcessorList([recorder]),
-                custom_generate=custom,
-            )
-        outputs.append((out, recorder.scores))
-    (stock_out, stock_scores), (our_out, our_scores) = outputs
-    assert torch.equal(our_out, stock_out)
-    assert len(our_scores) == len(stock_scores) == stock_out.shape[1] - width
-    for a, b in zip(stock_scores, our_scores, strict=True):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert_same_steps(stock_run, our_run)
     # The five rows share one prompt but not their samples.
-    assert len({tuple(r) for r in our_out[:, width:].tolist()}) > 1
+    width = 2 + len(ours.processing_class(text="h i j k l m n")["input_ids"])
+    assert len({tuple(r) for r in our_run[0][:, width:].tolist()}) > 1
 
 
-def test_sampled_batch_has_stocks_shapes_and_masks(tiny_model_path):
-    stock, ours = make_pair(tiny_model_path("llama"), per_device_train_batch_size=6, max_completion_length=9)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
+def test_sampled_batch_has_stocks_shapes_and_masks(tiny_model_path, family):
+    """EOS, the maximum length and padding after EOS, through `_generate_and_score_completions`."""
+    stock, ours = make_pair(tiny_model_path(family), per_device_train_batch_size=6, max_completion_length=9)
     inputs = generation_inputs(["h i j k l m n", "x"], 3)
     for t in (stock, ours):
         t.model.train()
@@ -157,13 +228,38 @@ def test_peft_greedy_equals_stock(tiny_model_path):
     "kwargs,match",
     [
         ({"num_beams": 2, "do_sample": False}, "beam"),
-        ({"guidance_scale": 2.0}, "guidance_scale"),
+        ({"guidance_scale": 2.0}, "guidance_scale=2.0.*extra model forwards"),
         ({"return_dict_in_generate": True}, "return_dict_in_generate"),
+        ({"num_return_sequences": 2}, "num_return_sequences=2.*num_generations"),
+        ({"output_scores": True}, "output_scores"),
+        ({"max_time": 5.0}, "max_time.*max_completion_length"),
+        ({"stop_strings": ["."]}, "stop_strings.*eos_token_id"),
+        ({"length_penalty": 2.0}, "length_penalty=2.0"),
+        ({"diversity_penalty": 0.5}, "diversity_penalty=0.5"),
+        ({"top_kk": 3}, "top_kk=3"),
     ],
 )
 def test_unsupported_generation_settings_are_refused(tiny_model_path, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as refused:
         make_pair(tiny_model_path("llama"), generation_kwargs=kwargs)
+    assert "shared_generation=False" in str(refused.value)
+
+
+# Logits processors other than the sampling settings: `generate` builds them and the decoder runs them unchanged.
+OTHER_PROCESSORS = [
+    {"suppress_tokens": [3, 4, 5], "begin_suppress_tokens": [6]},
+    {"no_repeat_ngram_size": 2, "min_new_tokens": 4},
+    {"bad_words_ids": [[7], [8, 9]], "sequence_bias": {(10,): 5.0}},
+    {"typical_p": 0.9, "epsilon_cutoff": 1e-3},
+    {"eta_cutoff": 1e-3, "min_length": 12},
+]
+
+
+@pytest.mark.parametrize("settings", OTHER_PROCESSORS)
+def test_other_logits_processors_are_stocks(tiny_model_path, settings):
+    _, ours = make_pair(tiny_model_path("llama"), generation_kwargs=settings)
+    steps = stock_and_ours(ours, "h i j k l m n", pad=2, rows=4, max_new_tokens=10, do_sample=True, **settings)
+    assert_same_steps(*steps)
 
 
 def test_shared_generation_off_is_stock(tiny_model_path):
@@ -173,3 +269,34 @@ def test_shared_generation_off_is_stock(tiny_model_path):
     ids = tokenize(stock, ROWS)
     assert ours._generate_single_turn(ids, None, {}, 3)[0] == stock._generate_single_turn(ids, None, {}, 3)[0]
     assert engine.stats.prompt_positions == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, family):
+    """2 processes (gloo), `shard_prompt_state=True`: each rank holds half of every prompt's attention records and
+    decodes its own rows of the same prompts (tests/decode_worker.py). Greedy completions equal `generate`'s; sampled
+    rows follow `_sample` step by step on each rank's rows and seed; the prompt states are never written."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    out = tmp_path / "out.pt"
+    command += [str(root / "tests" / "decode_worker.py"), str(tiny_model_path(family)), str(out)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=360)
+    assert run.returncode == 0 and out.exists(), run.stdout[-4000:] + run.stderr[-4000:]
+    lockstep = False
+    for rank, result in enumerate(torch.load(out, weights_only=False)):
+        got, expected = result["greedy"]
+        assert got == expected, f"rank {rank}"
+        assert len({len(c) for c in got}) > 1, "completions of different lengths (EOS midway)"
+        assert result["unchanged"], f"rank {rank}: decoding wrote the prompt state"
+        # The 13-token prompt (4 chunks of 3 before its last token): this rank holds 2 of its chunks' records.
+        assert result["held"][0] == (2, 4), result["held"]
+        for prompt, sampled in enumerate(result["sampled"]):
+            assert sampled["ours"] == sampled["stock"], f"rank {rank}, prompt {prompt}"
+            assert sampled["logp_error"] <= LOGP_ATOL, f"rank {rank}, prompt {prompt}: {sampled['logp_error']}"
+            ours_steps, stock_steps = sampled["steps"]
+            assert ours_steps >= stock_steps
+            lockstep |= ours_steps > stock_steps
+    assert lockstep, "a rank whose rows finished first should step on with the other rank"

@@ -192,6 +192,23 @@ def test_select_topk_matches_reference(monkeypatch, integer, topk):
         assert torch.equal(got[clear].sort(dim=1).values, stock[clear].sort(dim=1).values)
 
 
+@pytest.mark.parametrize("integer", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("topk,prompt", [(1, [3, 5, 2]), (4, [3, 5, 2]), (9, [3, 5, 2]), (40, [3, 5, 2]), (4, [])])
+def test_decode_select_topk_matches_reference(monkeypatch, integer, topk, prompt):
+    """A decoding step: each of 3 rows selects among the shared prompt's keys and its own tail's (its current token
+    last), as `reference_select` does on that row's whole key sequence."""
+    q, weights, keys = _random_selection_inputs(topk, [*prompt, 3], integer)
+    tails = torch.stack([torch.randn(4, 4, generator=torch.Generator().manual_seed(r)) for r in range(3)])
+    if integer:
+        tails = tails.round()
+    monkeypatch.setattr(glm, "INDEX_KEY_BLOCK", 3)  # prompt blocks spanning chunks
+    got = glm.decode_select_topk(q, weights, keys[:-1], tails, topk, 0.5)
+    for row in range(3):
+        full = glm._index_scores(q[row : row + 1], weights[row : row + 1], torch.cat([*keys[:-1], tails[row]]), 0.5)
+        expected = glm.reference_select(full, full.shape[1] - 1, topk)
+        assert torch.equal(got[row : row + 1].sort(dim=1).values, expected.sort(dim=1).values), row
+
+
 def test_select_topk_refuses_nan_scores():
     q, weights, keys = _random_selection_inputs(0, [4, 3])
     weights[1, 0] = float("nan")

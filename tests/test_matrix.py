@@ -6,8 +6,8 @@ the optimizer, and compares every step's logged loss and gradient norm (and the 
 
 Three things differ between the two runs by design, and the comparison takes each out without weakening it:
 
-- Sampling. Stock draws all rows of a generation batch in one `generate` call, the shared-prompt decoder (llama's
-  adapter) draws prompt by prompt, so the same seed gives other samples. Stock's run records its completions;
+- Sampling. Stock draws all rows of a generation batch in one `generate` call, the shared-prompt decoder draws
+  prompt by prompt, so the same seed gives other samples. Stock's run records its completions;
   LongStraw's run still generates (greedy fp32 cases must reproduce stock's completions exactly), then trains on
   the recorded ones. After each generation both runs reseed the random stream, which the samplers left in different
   states, so that what follows draws the same numbers.

@@ -20,6 +20,19 @@ def test_notebooks_are_committed_without_outputs():
                 assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name}: strip the outputs"
 
 
+def test_capacity_notebook_runs_the_readme_planner_commands():
+    """Notebook 02's planner cell runs the README's planner commands (with --shard-prompt-state etc.), so it prints
+    what the README shows (tests/test_plan.py checks the README's blocks against the planner)."""
+    notebook = json.loads((ROOT / "notebooks" / "02_capacity.ipynb").read_text())
+    cell = next("".join(c["source"]) for c in notebook["cells"] if "PLANS = [" in "".join(c["source"]))
+    namespace: dict = {}
+    exec(cell.split("for plan in PLANS")[0], namespace)  # the plan definitions, not the loop that runs them
+    readme = (ROOT / "README.md").read_text()
+    assert len(namespace["PLANS"]) == 3
+    for plan in namespace["PLANS"]:
+        assert f"$ python -m trl_longstraw.plan {' '.join(plan)}\n" in readme, plan
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path, monkeypatch):

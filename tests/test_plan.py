@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
@@ -252,29 +256,42 @@ def test_branch_round_exchange_is_counted(preset_stats):
     assert branch() - branch(shard_prompt_state=False) == 8 * per_rank
 
 
-def test_whole_model_gather_without_sharded_state(preset_stats):
-    """Without a sharded prompt state the ranks run different passes, so FSDP2 holds the whole model and its
-    gradient during the engine's work: GLM-5.2 (1.5 TB in bf16) fits at no length, while per-pass gathering (the
-    sharded state's lockstep) holds the root module and two layers."""
+def test_layer_by_layer_gather_without_sharded_state(preset_stats):
+    """Without a sharded prompt state the ranks agree on equal pass counts (the data-parallel lockstep), so FSDP2
+    gathers layer by layer, as with the state sharded over all GPUs: the root module and two layers, not GLM-5.2's
+    1.5 TB in bf16."""
     stats = _glm_lora(preset_stats)
     setup = replace(_h200x32("detached", False), positions=1000)
-    gathered = {item.name: item.nbytes for item in estimate(stats, setup).items}["FSDP all-gathered"]
-    per_pass = {item.name: item.nbytes for item in estimate(stats, replace(setup, shard_prompt_state=True)).items}
-    assert gathered == (stats.total_params + stats.trainable_params) * 2
-    assert per_pass["FSDP all-gathered"] < gathered / 10
-    assert largest_positions(stats, setup) == 0
+    per_pass = {item.name: item for item in estimate(stats, setup).items}["FSDP all-gathered"]
+    sharded = {item.name: item for item in estimate(stats, replace(setup, shard_prompt_state=True)).items}
+    assert per_pass == sharded["FSDP all-gathered"]
+    assert per_pass.nbytes < (stats.total_params + stats.trainable_params) * 2 / 10
+    assert per_pass.detail.startswith("per pass")
+
+
+def test_data_parallel_row_fits(capsys):
+    """Issue 14's data-parallel row (README): Qwen3.6-27B, 100K positions, detached, 8 x 96 GB, no sharded state.
+    FSDP2 gathers layer by layer, so it fits; gathering the whole model (27B parameters and their gradient in bf16,
+    100 GiB) could not."""
+    argv = ["--model", "qwen3.6-27b", "--positions", "100K", "--gpus", "8", "--gpu-memory", "96GB"]
+    argv += ["--mode", "detached"]
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "verdict: FITS" in out and "prompt state not sharded" in out
+    assert "FSDP all-gathered        11.61 GiB  per pass" in out
 
 
 def test_shard_groups_smaller_than_the_gpus(preset_stats):
     """Groups of 8 of 32 GPUs split the state 8 ways, exchange queries over 8 ranks, and run different passes
-    across groups, so FSDP2 holds the whole model, as without sharding."""
+    across groups, so FSDP2 holds the whole model and its gradient (unlike without sharding)."""
     stats = _glm_lora(preset_stats)
     setup = replace(_h200x32("exact", True), positions=100_000)
     grouped = {i.name: i for i in estimate(stats, replace(setup, shard_group=8)).items}
     whole = {i.name: i for i in estimate(stats, setup).items}
     unsharded = {i.name: i for i in estimate(stats, replace(setup, shard_prompt_state=False)).items}
-    assert grouped["FSDP all-gathered"].nbytes == unsharded["FSDP all-gathered"].nbytes
+    assert grouped["FSDP all-gathered"].nbytes == (stats.total_params + stats.trainable_params) * 2
     assert grouped["FSDP all-gathered"].nbytes > 10 * whole["FSDP all-gathered"].nbytes
+    assert unsharded["FSDP all-gathered"].nbytes == whole["FSDP all-gathered"].nbytes
     assert "sharded /8" in grouped["prompt state"].detail and "sharded /32" in whole["prompt state"].detail
     assert "across the 8 ranks" in grouped["branch graph"].detail
 
@@ -298,7 +315,6 @@ def test_largest_positions_is_zero_when_nothing_fits(preset_stats):
 
 
 def test_suggestions_report_their_own_verdicts(preset_stats):
-    # LoRA: unsharded, the whole 27B model is gathered under FSDP (54 GB in bf16), which leaves room for a prompt.
     config = preset_stats["qwen3.6-27b"][0]
     with torch.device("meta"):
         stats = model_stats(AutoModelForCausalLM.from_config(config), config, lora_rank=8)
@@ -371,7 +387,13 @@ def test_parse_count_and_bytes():
 
 # -------------------------------------------------------------------------------------------------------- CLI
 def test_main_in_process(capsys, tmp_path):
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=2**30,
+    )
     config.save_pretrained(tmp_path)
     argv = ["--model", str(tmp_path), "--gpus", "1", "--gpu-memory", "1GiB", "--mode", "detached"]
     assert plan.main(argv + ["--positions", "1K"]) == 0
@@ -379,7 +401,7 @@ def test_main_in_process(capsys, tmp_path):
     assert "verdict: FITS" in out and "prompt state" in out and "largest prompt that fits" in out
     assert plan.main(argv + ["--positions", "100M"]) == 3
     out = capsys.readouterr().out
-    assert "verdict: DOES NOT FIT" in out and "exceed it without RoPE scaling" in out
+    assert "verdict: DOES NOT FIT" in out
     longest = int(out.split("largest prompt that fits: ")[1].split(" ")[0].replace(",", ""))
     assert plan.main(argv + ["--positions", str(longest)]) == 0
     assert plan.main(argv + ["--positions", str(longest + 1)]) == 3
@@ -398,3 +420,252 @@ def test_cli_exit_codes():
     too_big = subprocess.run(common + ["--mode", "exact"], cwd=REPO, capture_output=True, text=True)
     assert too_big.returncode == 3, too_big.stderr
     assert "verdict: DOES NOT FIT" in too_big.stdout and "prompt_gradient='detached'" in too_big.stdout
+
+
+# ------------------------------------------------------------------------------------------- CLI errors, refusals
+def test_cli_unsupported_model_is_a_one_line_error(tmp_path):
+    """A GPT-2 config.json: exit 2 and one line on stderr naming the supported model types, no traceback."""
+    from transformers import GPT2Config
+
+    GPT2Config().save_pretrained(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_longstraw.plan", "--model", str(tmp_path), "--positions", "100K"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "model_type 'gpt2' is not supported" in result.stderr and "qwen3_5" in result.stderr
+
+
+def test_cli_presets_are_case_insensitive_and_unknown_ones_are_errors(capsys):
+    argv = ["--positions", "1K", "--gpus", "8", "--mode", "detached", "--shard-prompt-state"]
+    assert plan.main(["--model", "Qwen3.6-27B"] + argv) == 0
+    assert capsys.readouterr().out.startswith("Qwen3.6-27B (qwen3_5_text)")
+    assert plan.main(["--model", "qwen3.7-27b"] + argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "'qwen3.7-27b' is neither a preset (qwen3.6-27b, glm-5.2, in any case)" in captured.err
+
+
+def test_cli_verdict_includes_the_trainers_refusals(capsys, tmp_path):
+    """A prompt beyond an unscaled RoPE window fits in memory but the trainer refuses it: exit 4, its message."""
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2048
+    )
+    config.save_pretrained(tmp_path)
+    argv = ["--model", str(tmp_path), "--gpus", "1", "--gpu-memory", "1GiB", "--completion-length", "16"]
+    assert plan.main(argv + ["--positions", "2032"]) == 0
+    assert "verdict: FITS" in capsys.readouterr().out
+    assert plan.main(argv + ["--positions", "2033"]) == 4
+    out = capsys.readouterr().out
+    assert "verdict: REFUSED -- fits in memory" in out
+    assert "  - sequences of 2,049 positions (prompt + completion) exceed the model's window of 2,048" in out
+    # A per-layer-type RoPE that updates at each call is refused by the trainer (trl_longstraw.rope).
+    # (No transformers family ships one yet: the rotary module is given one by hand.)
+    model = meta_model(config)
+    model.model.rotary_emb.rope_type = {"full_attention": "dynamic", "sliding_attention": "dynamic"}
+    setup = Setup(positions=100, gpus=1)
+    assert any("per-layer-type RoPE" in r for r in plan.trainer_refusals(config, model, setup))
+    # Dropout, which the trainer refuses in any mode.
+    dropped = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    dropped.attention_dropout = 0.1
+    (reason,) = plan.trainer_refusals(dropped, meta_model(dropped), setup)
+    assert reason.startswith("dropout is active in model.layers.0.self_attn (attention_dropout=0.1)")
+
+
+def test_cli_reads_a_recipe_and_flags_override_it(capsys):
+    """`--config` takes model, positions, mode, chunk, group, completion length, LoRA and sharding from a recipe."""
+    config = str(REPO / "recipes/configs/qwen3.6-27b_8xh20_2.1m_detached.yaml")
+    assert plan.main(["--config", config, "--gpus", "8", "--gpu-memory", "96GB"]) == 0
+    out = capsys.readouterr().out
+    assert "run: 2,100,000 prompt positions, detached mode, 8 x 1,024-token completions, prefill chunk 8,192" in out
+    assert "prompt state sharded over groups of 8 GPUs" in out and "verdict: FITS" in out
+    # The recipe's YaRN (factor 8.25 from model_init_kwargs), not the planner's own choice (9).
+    assert "scaled (yarn factor 8.25) to 2,162,688 for 2,101,024 positions" in out
+    flags = ["--positions", "100K", "--mode", "exact", "--group-size", "4", "--no-shard-prompt-state"]
+    assert plan.main(["--config", config, "--gpus", "8"] + flags) in (0, 3)
+    out = capsys.readouterr().out
+    assert "run: 100,000 prompt positions, exact mode, 4 x 1,024-token completions" in out
+    assert "prompt state not sharded" in out
+    # LoRA from the recipe: rank and target modules (the tiny demo has none: full fine-tuning).
+    tiny = str(REPO / "recipes/configs/tiny_cpu.yaml")
+    assert plan.main(["--config", tiny, "--gpus", "1", "--gpu-memory", "1GB"]) == 0
+    assert "longstraw/tiny-llama (llama): 80.58K parameters, 80.58K trainable" in capsys.readouterr().out
+
+
+def test_recipe_refusals(tmp_path, capsys):
+    """A recipe's training arguments that the trainer refuses (here the MoE router's auxiliary loss, left at the
+    model's default, and a RoPE override that changes rope_theta) make the verdict REFUSED or join DOES NOT FIT."""
+    tiny = (REPO / "recipes/configs/tiny_cpu.yaml").read_text()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(tiny.replace("longstraw/tiny-llama", "longstraw/tiny-qwen3_moe"))
+    argv = ["--config", str(recipe), "--gpus", "1", "--gpu-memory", "1GB"]
+    assert plan.main(argv) == 4
+    assert "set router_aux_loss_coef=0.0" in capsys.readouterr().out
+    recipe.write_text(
+        tiny.replace("longstraw/tiny-llama", "longstraw/tiny-qwen3_moe")
+        + "router_aux_loss_coef: 0.0\nmodel_init_kwargs:\n  rope_parameters: {rope_type: yarn, factor: 2.0, "
+        "original_max_position_embeddings: 1024}\n"
+    )
+    assert plan.main(argv) == 4
+    out = capsys.readouterr().out
+    assert "router_aux_loss_coef" not in out and "rope_theta: checkpoint" not in out
+    assert "rope_theta: model 10000.0, override '<missing>'" in out
+
+
+# -------------------------------------------------------------------------- expert parallelism, offload, DP mode
+def test_expert_parallel_never_gathers_the_experts(preset_stats):
+    """GLM-5.2: 256 routed experts per MoE layer, 8 per GPU over 32. FSDP2 gathers the layers without their experts
+    (the largest is then a dense layer), and the weights per GPU stay a 1/32 share."""
+    stats = _glm_lora(preset_stats)
+    config = preset_stats["glm-5.2"][0]
+    moe_layers = config.num_hidden_layers - config.first_k_dense_replace
+    expert_per_layer = 256 * (2 * 2048 * 6144 + 6144 * 2048)  # gate_up [E, 2I, H] + down [E, H, I]
+    assert (stats.num_experts, stats.expert_params) == (256, moe_layers * expert_per_layer)
+    assert stats.expert_trainable == 0  # LoRA never targets the fused experts
+    # Without experts, the largest layer is a dense one (MLP 12288 wide, an indexer), not a MoE layer.
+    dense_layer = sum(p.numel() for p in meta_model(config).model.layers[0].parameters())
+    assert stats.largest_layer_dense_params == dense_layer > stats.largest_layer_params - expert_per_layer
+    setup = replace(_h200x32("exact", True), positions=100_000)
+    plain, ep = estimate(stats, setup), estimate(stats, replace(setup, expert_parallel=True))
+    gathered = stats.root_params + stats.root_trainable + 2 * stats.largest_layer_dense_params
+    assert _item(ep, "FSDP all-gathered") == (gathered + stats.largest_layer_dense_trainable) * 2
+    # Two MoE layers' experts in bf16 (36 GiB) are gathered without EP; with it, the root and two dense layers (5 GiB).
+    assert _item(plain, "FSDP all-gathered") > 2 * expert_per_layer * 2 > 7 * _item(ep, "FSDP all-gathered")
+    assert _item(ep, "weights") == pytest.approx(_item(plain, "weights"), abs=2)
+    # An EP group of 8 of the 32 GPUs holds 32 experts per GPU: 4 times the expert share.
+    ep8 = estimate(stats, replace(setup, expert_parallel=True, ep_size=8))
+    assert _item(ep8, "weights") - _item(ep, "weights") == pytest.approx(3 * stats.expert_params * 2 / 32, abs=2)
+    qwen = preset_stats["qwen3.6-27b"][1]
+    with pytest.raises(ValueError, match="no routed experts"):
+        estimate(qwen, replace(setup, expert_parallel=True))
+    with pytest.raises(ValueError, match="ep_size=5 must divide the 32 GPUs"):
+        replace(setup, expert_parallel=True, ep_size=5)
+
+
+def test_offload_moves_cold_state_to_the_host(preset_stats):
+    """FSDP2 CPU offload puts the weight, gradient and optimizer shards in host memory; offload_boundary_states
+    keeps 3 recurrent boundaries on the GPU (the newest, the restored one, the one in flight) and this GPU's share
+    of the others on the host, counted per node against --host-memory."""
+    _, stats = preset_stats["qwen3.6-27b"]
+    setup = Setup(positions=2_100_000, gpus=8, gpu_memory=96 * 10**9, shard_prompt_state=True)
+    plain = estimate(stats, setup)
+    off = estimate(stats, replace(setup, offload=True, offload_boundary_states=True))
+    for name in ("weights", "gradients", "optimizer state"):
+        assert _item(off, name) == 0
+        (host,) = [i.nbytes for i in off.host if i.name == name]
+        assert host == _item(plain, name)
+    chunks = -(-2_099_999 // 4096)
+    assert _item(plain, "prompt state") - _item(off, "prompt state") == (-(-(chunks - 1) // 8) + 2 - 3) * (
+        stats.state_fixed
+    )
+    (boundaries,) = [i.nbytes for i in off.host if i.name == "boundary states"]
+    assert boundaries == -(-(chunks - 1) // 8) * stats.state_fixed
+    assert off.host_per_node == 8 * sum(i.nbytes for i in off.host)
+    assert off.fits and not replace(off, setup=replace(off.setup, host_memory=off.host_per_node - 1)).fits
+    # Detached mode keeps no boundaries: nothing to offload there.
+    detached = estimate(stats, replace(setup, mode="detached", offload_boundary_states=True))
+    assert not [i for i in detached.host if i.name == "boundary states"]
+
+
+# ---------------------------------------------------------------------------------------------- README blocks
+README = REPO / "README.md"
+_BLOCK = re.compile(r"```text\n(\$ python -m trl_longstraw\.plan [^\n]*\n)(.*?)```", re.DOTALL)
+
+
+def planner_output(command: str) -> str:
+    """What `command` (`$ python -m trl_longstraw.plan ...`) prints, run in this process."""
+    argv = shlex.split(command.removeprefix("$ python -m trl_longstraw.plan"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = plan.main(argv)
+    return out.getvalue(), code
+
+
+def readme_with_planner_output(text: str) -> str:
+    """`text` with the output of every planner command of a ```text block replaced by what the planner prints; a block
+    may hold several commands, each followed by its output and a blank line."""
+
+    def block(match: re.Match) -> str:
+        body = match.group(1) + match.group(2)
+        commands = [line for line in body.splitlines() if line.startswith("$ python -m trl_longstraw.plan")]
+        parts = [command + "\n" + planner_output(command)[0] for command in commands]
+        return "```text\n" + "\n".join(parts) + "```"
+
+    return _BLOCK.sub(block, text)
+
+
+@pytest.mark.slow
+def test_readme_planner_blocks_match_the_planner():
+    """Every planner command quoted in README.md prints exactly the quoted output (`python -m tests.test_plan`
+    rewrites them), and the issue's rows fit: exit 0."""
+    text = README.read_text()
+    assert text == readme_with_planner_output(text), (
+        "README.md's planner output is stale: run python -m tests.test_plan"
+    )
+    for command in (
+        "$ python -m trl_longstraw.plan --model glm-5.2 --positions 2.1M --gpus 32 --gpu-memory 96GB --mode exact "
+        "--lora-rank 16 --precision bf16 --shard-prompt-state --expert-parallel",
+        "$ python -m trl_longstraw.plan --model qwen3.6-27b --positions 2.1M --gpus 8 --gpu-memory 96GB --mode exact "
+        "--shard-prompt-state --offload",
+        "$ python -m trl_longstraw.plan --model qwen3.6-27b --positions 4.46M --gpus 8 --gpu-memory 96GB "
+        "--mode detached --shard-prompt-state --offload",
+        "$ python -m trl_longstraw.plan --model qwen3.6-27b --positions 100K --gpus 8 --gpu-memory 96GB "
+        "--mode detached",
+    ):
+        assert command in text
+        assert planner_output(command)[1] == 0, command
+
+
+# ----------------------------------------------------------------------------------------- recipe config quotes
+CONFIGS = sorted((REPO / "recipes/configs").glob("*.yaml"))
+_QUOTED = ("verdict:", "  total", "largest prompt that fits:")
+
+
+def config_with_planner_output(text: str) -> tuple[str, list[tuple[str, int]]]:
+    """A recipe config's text with its `#   >` lines replaced by what the planner command quoted above them prints
+    (the verdict, the host total, the largest prompt), and `[(command, exit code)]`."""
+    lines, out, runs = text.splitlines(keepends=True), [], []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if not line.startswith("#   python -m trl_longstraw.plan "):
+            out.append(line)
+            i += 1
+            continue
+        command = ""
+        while True:
+            out.append(lines[i])
+            part = lines[i].removeprefix("#").strip()
+            command += " " + part.removesuffix("\\").strip()
+            i += 1
+            if not part.endswith("\\"):
+                break
+        while i < len(lines) and lines[i].startswith("#   >"):
+            i += 1
+        printed, code = planner_output("$ " + command.strip())
+        runs.append((command.strip(), code))
+        out += [f"#   > {p}\n" for p in printed.splitlines() if p.startswith(_QUOTED)]
+    return "".join(out), runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_recipe_configs_quote_the_planner(path):
+    """Every shipped config that quotes a planner command quotes what it prints, and fits (exit 0)."""
+    text = path.read_text()
+    rewritten, runs = config_with_planner_output(text)
+    assert rewritten == text, f"{path.name}'s planner quote is stale: run python -m tests.test_plan"
+    assert all(code == 0 for _, code in runs), runs
+    if path.name != "tiny_cpu.yaml":
+        assert runs, f"{path.name} quotes no planner command"
+
+
+if __name__ == "__main__":
+    README.write_text(readme_with_planner_output(README.read_text()))
+    print(f"rewrote the planner output in {README}")
+    for config in CONFIGS:
+        config.write_text(config_with_planner_output(config.read_text())[0])
+        print(f"rewrote the planner output in {config}")

@@ -27,7 +27,13 @@ from tests.tolerances import DELTA_RULE_ATOL, GRAD_RTOL, LOGP_ATOL, LOSS_ATOL
 from trl_longstraw.adapters import get_adapter
 from trl_longstraw.engine import Engine, Pass, PromptGroup, PromptState, use_pass
 from trl_longstraw.plan import preset_config
-from trl_longstraw.qwen3_5 import Qwen3_5Adapter, torch_gated_delta_rule
+from trl_longstraw.qwen3_5 import (
+    Qwen3_5Adapter,
+    torch_gated_delta_rule,
+)
+from trl_longstraw.qwen3_5 import (
+    torch_recurrent_gated_delta_rule as ours_recurrent,
+)
 from trl_longstraw.reference import plain_token_logps
 from trl_longstraw.testing import build_tokenizer, random_micro_batch, tiny_config
 
@@ -94,6 +100,31 @@ def test_delta_rule_matches_stock(length, initial):
         torch.testing.assert_close(state, ref_state, atol=DELTA_RULE_ATOL, rtol=0)
         for g, ref in zip(grads, ref_grads, strict=True):
             assert _rel(g, ref) <= GRAD_RTOL
+
+
+@pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
+def test_recurrent_delta_rule_matches_stock(initial):
+    """The per-token rule that decoding runs: stock's per-token rule (which transformers decodes with) and our
+    chunked rule, on outputs and final state; rows broadcast from one initial state, which it never writes."""
+    inputs = [x if x is None else x.detach() for x in _delta_rule_inputs(7, initial, seed=2)]
+    out, state = ours_recurrent(*inputs)
+    for recurrent in (False, True):
+        ref_out, ref_state = _stock(*inputs, recurrent=recurrent)
+        torch.testing.assert_close(out, ref_out, atol=DELTA_RULE_ATOL, rtol=0)
+        torch.testing.assert_close(state, ref_state, atol=DELTA_RULE_ATOL, rtol=0)
+    # Three rows decoding one token each from a shared batch-1 state, as the G rows of one prompt do.
+    q, k, v, g, beta, initial_state = inputs
+    signs = torch.tensor([1.0, 0.5, -1.0]).view(3, 1, 1, 1)
+    rows = [x[:, :1].expand(3, -1, -1, -1) * signs for x in (q, k, v)]
+    shared = None if initial_state is None else initial_state.expand(3, -1, -1, -1)
+    before = None if initial_state is None else initial_state.clone()
+    out, state = ours_recurrent(*rows, g[:, :1].expand(3, -1, -1), beta[:, :1].expand(3, -1, -1), shared)
+    for row in range(3):
+        one = [x[row : row + 1] for x in rows] + [g[:, :1], beta[:, :1], initial_state]
+        ref_out, ref_state = _stock(*one, recurrent=True)
+        torch.testing.assert_close(out[row : row + 1], ref_out, atol=DELTA_RULE_ATOL, rtol=0)
+        torch.testing.assert_close(state[row : row + 1], ref_state, atol=DELTA_RULE_ATOL, rtol=0)
+    assert before is None or torch.equal(initial_state, before)
 
 
 def test_delta_rule_carries_state_across_splits():

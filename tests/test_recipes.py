@@ -17,6 +17,7 @@ from trl_longstraw.hub import (
     config_from_dict,
     config_to_dict,
     export,
+    installed_launch_command,
     launch_command,
     load_config,
     main,
@@ -73,7 +74,10 @@ def test_every_config_parses_and_starts_with_its_launch_line(path):
 def test_long_configs_cover_their_positions(path):
     mapping = yaml.safe_load(path.read_text())
     script_args, training_args, model_args = parse_recipe_config(path)
-    assert "--config_file recipes/accelerate/fsdp2.yaml" in launch_command(path.read_text())
+    # FSDP2, with CPU offload where the config needs the host memory (its header quotes the planner's --offload).
+    offload = "--offload" in path.read_text()
+    accelerate = "fsdp2_offload.yaml" if offload else "fsdp2.yaml"
+    assert f"--config_file recipes/accelerate/{accelerate}" in launch_command(path.read_text())
     assert mapping["bf16"] is True and training_args.gradient_checkpointing
     assert training_args.gradient_checkpointing_kwargs == {"use_reentrant": False}
     assert script_args.prompt_tokens >= 2_100_000
@@ -93,8 +97,14 @@ def test_long_configs_cover_their_positions(path):
 def test_configs_disagree_only_where_named():
     exact = yaml.safe_load((ROOT / "recipes/configs/qwen3.6-27b_8xh20_2.1m_exact.yaml").read_text())
     detached = yaml.safe_load((ROOT / "recipes/configs/qwen3.6-27b_8xh20_2.1m_detached.yaml").read_text())
-    assert {k for k in exact if exact[k] != detached.get(k)} == {"prompt_gradient", "output_dir"}
+    differ = {k for k in set(exact) | set(detached) if exact.get(k) != detached.get(k)}
+    assert differ == {"prompt_gradient", "output_dir", "prefill_chunk_size", "offload_boundary_states"}
     assert (exact["prompt_gradient"], detached["prompt_gradient"]) == ("exact", "detached")
+    # Exact mode keeps its boundaries in host memory; detached mode keeps none, and prefills in smaller chunks.
+    assert exact["offload_boundary_states"] and (exact["prefill_chunk_size"], detached["prefill_chunk_size"]) == (
+        16384,
+        8192,
+    )
 
 
 def test_unknown_config_key_raises(tmp_path):
@@ -237,14 +247,25 @@ def front_matter(card: str) -> dict:
 def test_hub_export_folder(tmp_path, name):
     source = ROOT / "recipes" / "configs" / name
     out = export(source, tmp_path / "hub")
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "config.yaml"]
+    launch = launch_command(source.read_text())
+    accelerate = ["accelerate.yaml"] if "--config_file" in launch else []
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", *accelerate, "config.json", "config.yaml"]
+    if accelerate:
+        named = launch.split("--config_file ")[1].split()[0]
+        assert (out / "accelerate.yaml").read_text() == (ROOT / named).read_text()
     assert (out / "config.yaml").read_text() == source.read_text()
     assert json.loads((out / "config.json").read_text()) == yaml.safe_load(source.read_text())
     card = (out / "README.md").read_text()
     meta = front_matter(card)
     assert meta["library_name"] == "trl"
     assert set(CARD_TAGS) <= set(meta["tags"]) and set(CARD_TAGS) == {"trl", "grpo", "longstraw"}
-    assert launch_command(source.read_text()) in card
+    assert launch in card
+    # The card launches the installed command on the downloaded files, not a checkout's paths.
+    installed = installed_launch_command(
+        source.read_text(), f"{source.stem}/config.yaml", f"{source.stem}/accelerate.yaml" if accelerate else None
+    )
+    assert "pip install trl_longstraw" in card and f"\n{installed}\n" in card
+    assert "recipes/" not in installed and "trl_longstraw.cli grpo" in installed
     mapping = yaml.safe_load(source.read_text())
     if not mapping["model_name_or_path"].startswith("longstraw/"):
         assert meta["base_model"] == mapping["model_name_or_path"]
@@ -270,6 +291,34 @@ def test_hub_export_refuses_a_config_without_launch_line(tmp_path):
 def test_launch_command_joins_continuation_lines():
     text = "# Launch: accelerate launch \\\n#   --num_processes 8 \\\n#   recipes/grpo_long.py\n# other\nkey: 1\n"
     assert launch_command(text) == "accelerate launch --num_processes 8 recipes/grpo_long.py"
+
+
+@pytest.mark.parametrize(
+    ("launch", "installed"),
+    [
+        (
+            "python recipes/grpo_long.py --config a/b.yaml --max_steps 2",
+            "trl-longstraw grpo --config c.yaml --max_steps 2",
+        ),
+        ("recipes/grpo_long.py --config a/b.yaml", "trl-longstraw grpo --config c.yaml"),
+        (
+            "accelerate launch --config_file recipes/accelerate/fsdp2.yaml --num_processes 8 recipes/grpo_long.py \\\n"
+            "#   --config a/b.yaml",
+            "accelerate launch --config_file d.yaml --num_processes 8 -m trl_longstraw.cli grpo --config c.yaml",
+        ),
+        (
+            "torchrun --nproc_per_node 2 recipes/grpo_long.py --config a/b.yaml",
+            "torchrun --nproc_per_node 2 -m trl_longstraw.cli grpo --config c.yaml",
+        ),
+    ],
+)
+def test_installed_launch_command(launch, installed):
+    assert installed_launch_command(f"# Launch: {launch}\nkey: 1\n", "c.yaml", "d.yaml") == installed
+
+
+def test_installed_launch_command_needs_the_recipe_and_its_config():
+    with pytest.raises(ValueError, match="recipes/grpo_long.py --config"):
+        installed_launch_command("# Launch: python train.py --config a.yaml\n", "c.yaml")
 
 
 # ------------------------------------------------------------------------------------------------ dry run
@@ -313,3 +362,31 @@ def test_recipe_on_two_processes_with_sharded_state(tmp_path, family):
     assert result.returncode == 0, "\n".join(errors[:40]) + "\n" + output[-3000:]
     assert "processes               2, prompt state sharded over groups of 2" in result.stdout
     assert "prompt positions        383 prefilled per micro-batch" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_recipe_expert_parallel_on_two_processes(tmp_path):
+    """The recipe with `--expert_parallel_size 2` on 2 CPU processes (gloo): transformers loads the tiny GLM-5 with 2
+    of its 4 experts per rank, the run generates, trains 2 steps and saves a checkpoint (`save_only_model`) that
+    loads whole, with all 4 experts of each MoE layer, trained away from the initial weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--main_process_port", "0", "recipes/grpo_long.py", "--config", str(TINY)]
+    command += ["--model_name_or_path", "longstraw/tiny-glm_moe_dsa", "--max_steps", "2", "--num_prompts", "8"]
+    command += ["--shard_prompt_state", "true", "--per_device_train_batch_size", "4"]
+    command += ["--gradient_accumulation_steps", "1", "--output_dir", str(tmp_path), "--expert_parallel_size", "2"]
+    command += ["--save_only_model", "true", "--save_strategy", "steps", "--save_steps", "2"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if "rror" in line or "terminate" in line or "what()" in line]
+    assert result.returncode == 0, "\n".join(errors[:40]) + "\n" + output[-3000:]
+    assert "processes               2, prompt state sharded over groups of 2" in result.stdout
+    trained = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2").named_parameters())
+    initial = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-model").named_parameters())
+    experts = [name for name in initial if name.endswith("experts.gate_up_proj")]
+    assert experts and all(trained[name].shape == initial[name].shape == (4, 32, 64) for name in experts)
+    assert any(not torch.equal(trained[name], initial[name]) for name in experts)

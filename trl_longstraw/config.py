@@ -43,6 +43,20 @@ class LongStrawGRPOConfig(GRPOConfig):
             the reverse pass) in host memory, pinned on CUDA, and bring each back one chunk ahead of the reverse pass
             on a side stream. Gradients are identical; device memory drops by one recurrent state per chunk (147 MiB
             per chunk on Qwen3.6-27B). Models without recurrent layers keep no boundaries and are unaffected.
+        expert_parallel_size (`int`, *optional*, defaults to `1`):
+            MoE models (`glm_moe_dsa`, `qwen3_moe`): spread each MoE layer's experts over groups of this many ranks
+            through transformers' expert parallelism (`DistributedConfig(ep_size=...)`, the model's
+            `base_model_ep_plan`, all-to-all token exchange); every other parameter is sharded by FSDP2 over all
+            processes. Experts are never all-gathered. Needs `shard_prompt_state=True` over all processes (the
+            lockstep the experts' collectives need), must divide the number of processes and of experts, and
+            checkpoints need `save_only_model=True`. `1`: off. See `trl_longstraw/expert_parallel.py`.
+        fsdp_cpu_offload (`bool`, *optional*, defaults to `False`):
+            With `expert_parallel_size > 1` (transformers shards the model): FSDP2's `CPUOffloadPolicy`, i.e. the
+            sharded parameters (the fp32 master weights when the model is loaded in fp32 and computes in bf16), their
+            gradients and the optimizer state live in host memory and the optimizer step runs on the CPU; each layer
+            is copied to the device when FSDP2 gathers it. Gradients are unchanged. Under accelerate's FSDP2 (no
+            expert parallelism) the same policy is accelerate's `fsdp_offload_params: true`
+            (`recipes/accelerate/fsdp2_offload.yaml`).
         on_nonfinite (`str`, *optional*, defaults to `"raise"`):
             What a micro-batch whose per-token log-probs, entropies, loss or loss gradient are NaN or infinite does,
             checked before anything is back-propagated into the parameters. `"raise"`: stop with a `FloatingPointError`
@@ -109,6 +123,22 @@ class LongStrawGRPOConfig(GRPOConfig):
             "the reverse pass, prefetched one chunk ahead. Identical gradients, less device memory."
         },
     )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "MoE models: spread each MoE layer's experts over groups of this many ranks with transformers' "
+            "expert parallelism (ep_size, all-to-all), the rest sharded by FSDP2. Needs shard_prompt_state=True over "
+            "all processes and save_only_model=True for checkpoints. 1: off."
+        },
+    )
+    fsdp_cpu_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "With expert_parallel_size > 1: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and "
+            "optimizer state in host memory, optimizer step on CPU). Under accelerate's FSDP2 use its "
+            "fsdp_offload_params: true instead."
+        },
+    )
     on_nonfinite: str = field(
         default="raise",
         metadata={
@@ -141,6 +171,17 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"prompt_shard_group_size={self.prompt_shard_group_size!r} must be 0 (all processes) or a positive "
                 "number of ranks that divides the number of processes."
+            )
+        ep = self.expert_parallel_size
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(
+                f"expert_parallel_size={ep!r} must be a positive number of ranks (1 turns expert parallelism off)."
+            )
+        if self.fsdp_cpu_offload and ep == 1:
+            raise ValueError(
+                "fsdp_cpu_offload=True applies to models that transformers shards at load time "
+                "(expert_parallel_size > 1). Under accelerate's FSDP2, set fsdp_offload_params: true in the "
+                "accelerate config instead (recipes/accelerate/fsdp2_offload.yaml) and fsdp_cpu_offload=False."
             )
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(

@@ -1,26 +1,31 @@
-"""Data parallelism for the engine: DDP and FSDP2 with one gradient reduction per micro-batch and no hangs.
+"""Data parallelism for the engine: DDP and FSDP2 with no hangs, whatever work each rank holds.
 
 The engine back-propagates many times per micro-batch (once per completion, then once per prompt chunk in exact mode),
-and ranks hold different numbers of prompts, completions and tokens. So no collective may hang off a single pass:
-a rank with more passes would wait forever for a partner. Both wrappers are therefore run *collective-free* while the
-engine works, and the gradient is reduced once, at the end of a micro-batch that must synchronize:
+and ranks hold different numbers of prompts, completions and tokens. A collective in a pass would leave a rank with
+more passes waiting forever for a partner, unless every rank runs the same passes:
 
-- DDP: the engine calls the module inside the wrapper, never the wrapper itself, so DDP neither broadcasts buffers
-  nor arms its gradient hooks (they only fire after a forward through the wrapper). At the end of a micro-batch the
-  gradients are all-reduced explicitly, in buckets, and averaged over the ranks, as DDP does; skipped when the
-  micro-batch runs under `no_sync` (gradient accumulation), exactly like DDP.
-- FSDP2 (`fully_shard`): at the start of an engine call every FSDP module is unsharded once, in module order, with
-  resharding and gradient reduction switched off, so the passes (including the prompt prefill and reverse pass,
-  which call the decoder layers directly, not the root) issue no collective. Gradients accumulate unsharded, as
-  under FSDP2's own `set_requires_gradient_sync(False)`. A micro-batch that must synchronize ends with one *sync
-  pass*: a one-token forward and backward through the root with weight zero, identical on every rank, under the
-  reduction settings the caller had (so `no_sync`, HSDP's `set_requires_all_reduce(False)` and mixed-precision
-  reduce dtypes are honoured), with `reduce_scatter_unused_params` so that every rank reduce-scatters the same
-  parameters. Cost: each rank holds the full parameters and full gradients during the engine's work (FSDP2 still
-  shards them, and the optimizer state, between steps); the sync pass costs one token of compute.
-- FSDP2 per pass (`fsdp2_gathered(..., per_pass=True)`), when the prompt state is sharded over every process: the
-  ranks then run the same passes in lockstep, so FSDP2 gathers, frees and reduce-scatters layer by layer as it was
-  designed to; only the root's own parameters stay gathered, and the sync pass reduces their gradient.
+- DDP runs *collective-free* while the engine works: the engine calls the module inside the wrapper, never the
+  wrapper itself, so DDP neither broadcasts buffers nor arms its gradient hooks (they only fire after a forward
+  through the wrapper). At the end of a micro-batch the gradients are all-reduced explicitly, in buckets, and
+  averaged over the ranks, as DDP does; skipped when the micro-batch runs under `no_sync` (gradient accumulation),
+  exactly like DDP.
+- FSDP2 (`fully_shard`) per pass (`fsdp2_gathered(..., per_pass=True)`): the ranks run the same passes in the same
+  order, so FSDP2 gathers, frees and reduce-scatters layer by layer as it was designed to. Either the prompt state is
+  sharded over every process (its passes are lockstep by construction), or, without a sharded state, the ranks agree
+  on the number of passes of each kind per prompt (`agree_pass_counts`, one all-reduce per engine call) and pad
+  theirs with one-token filler passes (the engine's *data-parallel lockstep*). Only the root's own parameters
+  (embeddings, final norm, head) stay gathered for the engine call; the *sync pass* reduces their gradient.
+- FSDP2 gathered (shard groups smaller than the world, which run different passes): at the start of an engine call
+  every FSDP module is unsharded once, in module order, with resharding and gradient reduction switched off, so the
+  passes (including the prompt prefill and reverse pass, which call the decoder layers directly, not the root) issue
+  no collective. Gradients accumulate unsharded, as under FSDP2's own `set_requires_gradient_sync(False)`. Cost: each
+  rank holds the full parameters and full gradients during the engine's work (FSDP2 still shards them, and the
+  optimizer state, between steps).
+
+A micro-batch that must synchronize ends, under FSDP2, with one *sync pass*: a one-token forward and backward through
+the root with weight zero, identical on every rank, under the reduction settings the caller had (so `no_sync`, HSDP's
+`set_requires_all_reduce(False)` and mixed-precision reduce dtypes are honoured), with
+`reduce_scatter_unused_params` so that every rank reduce-scatters the same parameters; it costs one token of compute.
 
 All make the result equal to the single-process gradient of the global batch up to float summation order.
 """
@@ -52,6 +57,33 @@ def fsdp2_root(model: torch.nn.Module) -> torch.nn.Module | None:
     if cls is None:
         return None
     return next((m for m in model.modules() if isinstance(m, cls)), None)
+
+
+def agree_pass_counts(counts: list[tuple[int, int, int]], slots: int, device) -> list[tuple[int, int, int]]:
+    """The pass counts every rank of the world runs in one engine call of the data-parallel lockstep.
+
+    One all-reduce (max) of a `[slots, 3]` tensor: every rank passes the same `slots` (the rows of its micro-batch,
+    an upper bound on its prompts; TRL gives every process the same number of rows).
+
+    Args:
+        counts: for each prompt this rank runs, in its order, `(prefill chunks, branch passes, reverse chunks)`.
+        slots: at least `len(counts)` on every rank.
+        device: where the collective's tensor lives (the backend's device).
+
+    Returns:
+        For each slot `k` up to the last one in which some rank runs a pass, the largest counts of any rank's `k`-th
+        prompt (zeros for a rank without one).
+    """
+    if len(counts) > slots:
+        raise RuntimeError(f"{len(counts)} prompts do not fit the {slots} slots of the pass-count agreement")
+    table = torch.zeros(slots, 3, dtype=torch.int64, device=device)
+    if counts:
+        table[: len(counts)] = torch.tensor(counts, dtype=torch.int64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    agreed = [tuple(row) for row in table.tolist()]
+    while agreed and not any(agreed[-1]):
+        agreed.pop()
+    return agreed
 
 
 def branch_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -145,7 +177,8 @@ def fsdp2_gathered(model: torch.nn.Module, sync_pass: Callable[[], None] | None 
     gathered; every other module is all-gathered and resharded by FSDP2 around each pass and reduce-scatters its
     gradient after each backward (unless the caller turned gradient sync off), so a rank never holds more than a
     couple of layers' parameters and gradients. That issues collectives in every pass: the caller guarantees that
-    every rank of the FSDP mesh runs the same passes (the sharded prompt state's lockstep).
+    every rank of the FSDP mesh runs the same passes, of the same kinds in the same order (the sharded prompt
+    state's lockstep, or the engine's data-parallel lockstep with `agree_pass_counts`).
 
     With `sync_pass` (a callable running one zero-weight forward and backward through the root), the gradients the
     block accumulated unreduced are then reduced with the caller's reduction settings, if those ask for a reduction.

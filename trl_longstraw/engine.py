@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .context_parallel import CPRound, plan_rounds
-from .distributed import branch_model, finish_ddp, fsdp2_gathered, fsdp2_root
+from .distributed import agree_pass_counts, branch_model, finish_ddp, fsdp2_gathered, fsdp2_root
 from .offload import HostBoundaries
 from .rope import RotaryPin
 
@@ -273,6 +273,26 @@ def pack_rows(rows: list[int], lengths: list[int], budget: int) -> list[list[int
     return batches
 
 
+# Kinds of engine passes, in the order a prompt runs them: FSDP2 issues the same collectives for every pass of a kind.
+PREFILL, BRANCH, REVERSE = range(3)
+
+
+@dataclass
+class Slot:
+    """One prompt of an engine call, in the order of `Engine._schedule`.
+
+    Attributes:
+        group: the prompt; None on a rank that has no prompt left in the data-parallel lockstep (fillers only).
+        rows: its branch rows; `None` is a zero-weight filler branch (sharded lockstep, one branch per round).
+        passes: data-parallel lockstep only: how many passes of each kind (`PREFILL`, `BRANCH`, `REVERSE`) every rank
+            runs for this slot, its own first, then fillers (`Engine._pad`).
+    """
+
+    group: PromptGroup | None
+    rows: Iterable[int | None]
+    passes: tuple[int, int, int] | None = None
+
+
 @dataclass
 class StepStats:
     """Timings and sizes of the engine work since the last reset, for logging."""
@@ -292,8 +312,10 @@ class Engine:
 
     Args:
         model: what is called for a branch: the (possibly wrapped) causal LM with TRL's fused LM head. Under DDP
-            the module inside the wrapper is called instead, and under FSDP2 every pass runs on parameters gathered
-            once per call (see `distributed`).
+            the module inside the wrapper is called instead. Under FSDP2 the ranks run the same passes (the sharded
+            state's lockstep, or the data-parallel one: see `lockstep`), so FSDP2 gathers and frees the layers pass
+            by pass; with shard groups smaller than the world, every pass runs on parameters gathered once per call
+            (see `distributed`).
         causal_lm: the unwrapped `PreTrainedModel` under `model` (PEFT layers in place, if any).
         adapter: the architecture adapter of `causal_lm`.
         chunk_size: prompt tokens per prefill (and reverse) chunk.
@@ -325,10 +347,13 @@ class Engine:
         self.chunk_size = chunk_size
         self.progress = progress
         self.shards = shards
-        # A prompt state sharded over every process runs all ranks in lockstep, so FSDP2 can gather and free the
-        # parameters pass by pass instead of holding them all (`distributed.fsdp2_gathered`).
-        lockstep = shards is not None and shards.world == dist.get_world_size()
-        self.fsdp_per_pass = lockstep and fsdp2_root(model) is not None
+        # FSDP2 gathers and frees the parameters pass by pass (`distributed.fsdp2_gathered`) when every rank runs the
+        # same passes: a prompt state sharded over every process runs them in lockstep; without a sharded state (data
+        # parallelism), the ranks agree on the number of passes of each kind per prompt and pad theirs with fillers
+        # (`lockstep`). Shard groups smaller than the world run different passes: FSDP2 then gathers once per call.
+        fsdp = fsdp2_root(model) is not None
+        self.lockstep = fsdp and shards is None
+        self.fsdp_per_pass = fsdp and (shards is None or shards.world == dist.get_world_size())
         # Context parallelism (`context_parallel`): the ranks of a shard group split each prefill and reverse pass's
         # tokens, for adapters whose token mixers support it at this group size; the others replicate the passes.
         supports = getattr(adapter, "context_parallel", None)
@@ -383,9 +408,8 @@ class Engine:
         micro-batch, so a state is never reused across a weight update or an adapter switch. With `boundaries`,
         recurrent layers keep their state at every chunk boundary, as the exact-mode reverse pass needs.
         """
-        key = (group.pad, group.tokens.cpu().numpy().tobytes())
-        kept = self._kept
-        if reuse and kept is not None and kept[0] == key and (kept[1].boundaries or not boundaries):
+        key = _key(group)
+        if reuse and self._reusable(key, boundaries):
             return self._kept[1]
         self._kept = None
         t0 = time.perf_counter()
@@ -420,15 +444,28 @@ class Engine:
             self._kept = (key, state)
         return state
 
-    def reverse(self, group: PromptGroup, state: PromptState) -> None:
+    def _reusable(self, key: tuple[int, bytes], boundaries: bool) -> bool:
+        """Whether `prefill(..., reuse=True)` of the prompt `key` returns the kept state instead of prefilling."""
+        kept = self._kept
+        return kept is not None and kept[0] == key and (kept[1].boundaries or not boundaries)
+
+    def _num_chunks(self, group: PromptGroup) -> int:
+        """Prefill (and reverse) chunks of `group`'s prompt."""
+        return len(self._chunks(group.tokens.shape[0] - 1))
+
+    def reverse(self, group: PromptGroup, state: PromptState) -> int:
         """Exact mode: back-propagates the gradient accumulated on the records through the prompt, last chunk first.
 
         Each chunk is recomputed with autograd; its records are freed once consumed, so the state shrinks as the pass
         goes. Afterwards the state is spent and is not kept. Sharded, every rank takes part in every pass (a chunk
         that every rank recomputes, or a context-parallel round in which each recomputes its own chunk) and first
         receives the recurrent records at the pass's start from their owner (one broadcast per pass and dtype).
+
+        Returns the number of passes run: chunks recomputed (chunks whose records received no gradient are skipped,
+        unless sharded), context-parallel rounds counting one each.
         """
         t0 = time.perf_counter()
+        ran = 0
         self._kept = None
         prefix = group.tokens[:-1]
         passes = self._passes(prefix.shape[0])
@@ -451,6 +488,7 @@ class Engine:
                 own = {layer: records[c] for layer, records in state.records.items() if records[c] is not None}
                 # Sharded: every rank runs every pass, as the attention over the prompt is collective.
                 if self.shards is not None or any(t.grad is not None for record in own.values() for t in record):
+                    ran += 1
                     start, end, cp = self._declare(c, bounds)
                     p = Pass(state, visible=c, shard=self.shards, cp=cp)
                     p.sink = {}
@@ -489,6 +527,7 @@ class Engine:
                 for records in state.records.values():
                     records[c : last + 1] = [None] * (last + 1 - c)
         self.stats.reverse_s += time.perf_counter() - t0
+        return ran
 
     # ---------------------------------------------------------------------------------------------------- branches
     def _branch(self, group: PromptGroup, completion: torch.Tensor, n: int):
@@ -535,19 +574,68 @@ class Engine:
             backward_fn(lp.sum() * 0 + (0 if ent is None else ent.sum() * 0))
 
     def _sync_pass(self, device) -> None:
-        with self.adapter.activate(), use_pass(Pass(PromptState(), visible=0)), torch.enable_grad():
-            self._zero_branch(None, torch.autograd.backward, device)
+        self._filler(BRANCH, device, torch.autograd.backward)
+
+    def _filler(self, kind: int, device, backward_fn: Callable[[torch.Tensor], None] | None = None) -> None:
+        """One pass of `kind` on a single token against an empty prompt state, with weight zero: it runs the modules
+        (and so issues the FSDP2 collectives) of a pass of that kind, and changes no value.
+
+        `PREFILL`: a backbone forward without autograd. `BRANCH`: a one-token branch through the root, back-propagated
+        with `backward_fn` if given (the backward pass), else without autograd (scoring). `REVERSE`: a backbone forward
+        with autograd, back-propagated from a zero seed on its output, as the reverse pass's chunks are.
+        """
+        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        grad = kind == REVERSE or backward_fn is not None
+        with (
+            self.adapter.activate(),
+            use_pass(Pass(PromptState(), visible=0, append=kind == PREFILL)),
+            torch.set_grad_enabled(grad),
+        ):
+            if kind == BRANCH:
+                self._zero_branch(None, backward_fn, device)
+                return
+            with self.autocast():
+                hidden = self._backbone()(input_ids=ids, position_ids=ids, use_cache=False).last_hidden_state
+        if kind == REVERSE:
+            torch.autograd.backward(hidden, torch.zeros_like(hidden))
+
+    def _pad(self, slot: Slot, kind: int, done: int, device, backward_fn=None) -> None:
+        """Data-parallel lockstep: fillers that bring the `done` passes of `kind` this rank ran for `slot` to the
+        agreed count (`Slot.passes`). Nothing otherwise."""
+        if slot.passes is None:
+            return
+        if done > slot.passes[kind]:
+            raise RuntimeError(f"ran {done} passes of kind {kind}, more than the {slot.passes[kind]} agreed")
+        for _ in range(slot.passes[kind] - done):
+            self._filler(kind, device, backward_fn)
 
     def _schedule(
-        self, groups: list[PromptGroup], rows: list[list[int]], lengths: list[int]
-    ) -> list[tuple[PromptGroup, Iterator[int | None]]]:
-        """The prompts to run and, for each, its branch rows; `None` is a zero-weight filler branch.
+        self,
+        groups: list[PromptGroup],
+        rows: list[list[int]],
+        lengths: list[int],
+        passes: Callable[[PromptGroup, list[int]], tuple[int, int, int]],
+        device,
+    ) -> list[Slot]:
+        """The prompts to run and, for each, its branch rows.
 
-        Unsharded: `groups` with their `rows`, as given. Sharded: the prompts in the order agreed by the group, and
-        rounds in which every rank runs one branch (its own or a filler), declared to `shards` round by round.
+        Unsharded: `groups` with their `rows`, as given. Data-parallel lockstep (FSDP2 without a sharded state): the
+        prompts with rows, fewest passes first (`passes(group, rows)`: this rank's own counts of a prompt), so that
+        the ranks' large prompts share slots and fillers stay few, except that a prompt whose state the scoring kept
+        stays first; then empty slots up to the largest number of prompts of any rank; each slot with the pass counts
+        agreed by one all-reduce over the world (see `Slot`). Sharded: the prompts in the order agreed by the group,
+        and rounds in which every rank runs one branch (its own or a filler), declared to `shards` round by round.
         """
+        if self.lockstep:
+            work = [(g, rs, passes(g, rs)) for g, rs in zip(groups, rows, strict=True) if rs]
+            pinned = int(bool(work) and self._kept is not None and _key(work[0][0]) == self._kept[0])
+            work[pinned:] = sorted(work[pinned:], key=lambda item: sum(item[2]))
+            agreed = agree_pass_counts([counts for _, _, counts in work], len(lengths), device)
+            work = [(g, rs) for g, rs, _ in work]
+            work += [(None, [])] * (len(agreed) - len(work))
+            return [Slot(group, rs, passes=counts) for (group, rs), counts in zip(work, agreed, strict=True)]
         if self.shards is None:
-            return list(zip(groups, rows, strict=True))
+            return [Slot(g, rs) for g, rs in zip(groups, rows, strict=True)]
         order, plan = self.shards.agree(groups, [[lengths[r] for r in rs] for rs in rows])
 
         def rounds(mine: list[int], everyone: list[list[int]]) -> Iterator[int | None]:
@@ -555,7 +643,7 @@ class Engine:
                 self.shards.branch_round([theirs[i] if i < len(theirs) else 1 for theirs in everyone])
                 yield mine[i] if i < len(mine) else None
 
-        return [(groups[i], rounds(rows[i], plan[k])) for k, i in enumerate(order) if any(plan[k])]
+        return [Slot(groups[i], rounds(rows[i], plan[k])) for k, i in enumerate(order) if any(plan[k])]
 
     def score(
         self,
@@ -587,28 +675,39 @@ class Engine:
         logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
         entropies = torch.zeros_like(logps)
         has_entropy = True
+        device = prompt_ids.device
         groups = group_prompts(prompt_ids, prompt_mask)
-        for group, rows in self._schedule(groups, [[r for r in g.rows if lengths[r] > 0] for g in groups], lengths):
-            state = self.prefill(group, keep=keep_last, boundaries=boundaries)
+        batched = batch_tokens > 0 and self.shards is None and getattr(self.adapter, "batches_branches", False)
+
+        def passes(group: PromptGroup, rows: list[int]) -> tuple[int, int, int]:
+            branches = len(pack_rows(rows, lengths, batch_tokens)) if batched else len(rows)
+            return self._num_chunks(group), branches, 0
+
+        rows = [[r for r in g.rows if lengths[r] > 0] for g in groups]
+        for slot in self._schedule(groups, rows, lengths, passes, device):
+            group = slot.group
+            state = PromptState() if group is None else self.prefill(group, keep=keep_last, boundaries=boundaries)
+            self._pad(slot, PREFILL, state.num_chunks, device)
             t0 = time.perf_counter()
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), torch.no_grad(), use_pass(p):
-                if batch_tokens > 0 and self.shards is None and getattr(self.adapter, "batches_branches", False):
-                    rows = list(rows)
+                if batched:
                     batches = [
                         (batch, self._batched_branches(group, completion_ids, batch, lengths))
-                        for batch in pack_rows(rows, lengths, batch_tokens)
+                        for batch in pack_rows(list(slot.rows), lengths, batch_tokens)
                     ]
                 else:
                     # Sharded: one branch per round on every rank (fillers included), in lockstep.
                     batches = (
                         ([row], None if row is None else self._branch(group, completion_ids[row], lengths[row]))
-                        for row in rows
+                        for row in slot.rows
                     )
+                done = 0
                 for batch_rows, inputs in batches:
                     if inputs is None:
-                        self._zero_branch(group, None, prompt_ids.device)
+                        self._zero_branch(group, None, device)
                         continue
+                    done += 1
                     lp, ent = self._forward_branch(*inputs)
                     for i, row in enumerate(batch_rows):
                         n = lengths[row]
@@ -617,6 +716,7 @@ class Engine:
                             has_entropy = False
                         else:
                             entropies[row, :n] = ent[i, :n]
+                self._pad(slot, BRANCH, done, device)
             self.stats.replay_s += time.perf_counter() - t0
         return logps, entropies if has_entropy else None
 
@@ -660,27 +760,54 @@ class Engine:
             ]
             for g in groups
         ]
-        schedule = [(g, rows) for g, rows in self._schedule(groups, live, lengths) if self.shards is not None or rows]
-        # Start with the prompt whose state the scoring pass left behind.
-        if self._kept is not None:
-            schedule.sort(key=lambda item: (item[0].pad, item[0].tokens.cpu().numpy().tobytes()) != self._kept[0])
-        for group, rows in schedule:
+        device = prompt_ids.device
+        # Start with the prompt whose state the scoring pass left behind (the sharded order is agreed, then sorted).
+        first = sorted(range(len(groups)), key=lambda i: self._kept is None or _key(groups[i]) != self._kept[0])
+        groups, live = [groups[i] for i in first], [live[i] for i in first]
+
+        def passes(group: PromptGroup, rows: list[int]) -> tuple[int, int, int]:
+            chunks = self._num_chunks(group)
+            return 0 if self._reusable(_key(group), exact) else chunks, len(rows), chunks if exact else 0
+
+        schedule = [
+            slot
+            for slot in self._schedule(groups, live, lengths, passes, device)
+            if self.shards is not None or slot.passes is not None or slot.rows
+        ]
+        if self.shards is not None and self._kept is not None:
+            schedule.sort(key=lambda slot: _key(slot.group) != self._kept[0])
+        for slot in schedule:
+            group = slot.group
+            if group is None:
+                self._pad(slot, PREFILL, 0, device)
+                self._pad(slot, BRANCH, 0, device, backward_fn)
+                self._pad(slot, REVERSE, 0, device)
+                continue
+            reused = self._reusable(_key(group), exact)
             state = self.prefill(group, keep=True, reuse=True, boundaries=exact)
+            self._pad(slot, PREFILL, 0 if reused else state.num_chunks, device)
             if exact:
                 state.requires_grad_()
             t0 = time.perf_counter()
+            done = 0
             with self.adapter.activate(), use_pass(Pass(state, visible=state.num_chunks, shard=self.shards)):
-                for row in rows:
+                for row in slot.rows:
                     if row is None:
-                        self._zero_branch(group, backward_fn, prompt_ids.device)
+                        self._zero_branch(group, backward_fn, device)
                         continue
+                    done += 1
                     n = lengths[row]
                     lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
                     surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
                     if grad_entropies is not None:
                         surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
                     backward_fn(surrogate)
+                self._pad(slot, BRANCH, done, device, backward_fn)
             self.stats.replay_s += time.perf_counter() - t0
-            if exact:
-                self.reverse(group, state)
+            self._pad(slot, REVERSE, self.reverse(group, state) if exact else 0, device)
         self._kept = None
+
+
+def _key(group: PromptGroup) -> tuple[int, bytes]:
+    """Identifies a prompt: its left padding and tokens."""
+    return group.pad, group.tokens.cpu().numpy().tobytes()

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from transformers import GenerationConfig
 from transformers.generation import GenerationMode
 from trl.trainer.utils import pad
@@ -29,25 +30,95 @@ class DecodePass(Pass):
     """A decoding step of G rows that share one prompt state.
 
     A layer reads every record of the prompt (batch 1), then the rows' tail (batch G) of tokens decoded before this
-    step; the record it emits for the step's token is appended to the tail. Prompt records are never written.
-    An adapter opts in with `decode_tail(capacity)` (the tail storage); its layers must then accept prompt records
-    of batch 1 with G rows of queries, as `prefix_merge_attention` does by broadcasting (no copy of the prompt).
+    step; the record it emits for the step's token is appended to the tail, or replaces the rows' previous one when
+    it `supersedes` (a recurrent state). Prompt records are never written, so the state stays the engine's
+    `PromptState` of that prompt, which a later pass may read. An adapter opts in with `decode_tail(capacity)` (the
+    tail storage, see `adapters` for the interface); its layers must then accept prompt records of batch 1 with G
+    rows of queries, as `prefix_merge_attention` does by broadcasting (no copy of the prompt).
     """
 
-    def __init__(self, state: PromptState, tail):
-        super().__init__(state, visible=state.num_chunks)
+    def __init__(self, state: PromptState, tail, shard=None):
+        super().__init__(state, visible=state.num_chunks, shard=shard)
         self.tail = tail
 
     def read(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
         return super().read(layer_idx) + self.tail.records(layer_idx)
 
-    def emit(self, layer_idx: int, record: tuple[torch.Tensor, ...], sharded: bool = False) -> None:
+    def prompt_records(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
+        """The prompt's records of `layer_idx` alone (batch 1), for layers that treat them apart from the tail."""
+        return super().read(layer_idx)
+
+    def emit(
+        self, layer_idx: int, record: tuple[torch.Tensor, ...], sharded: bool = False, supersedes: bool = False
+    ) -> None:
         # Decoded tokens are not part of the prompt: their records stay on this rank, whatever `sharded` says.
-        self.tail.append(layer_idx, tuple(t.detach() for t in record))
+        record = tuple(t.detach() for t in record)
+        if supersedes:
+            self.tail.replace(layer_idx, record)
+        else:
+            self.tail.append(layer_idx, record)
+
+
+# What the shared-prompt decoder reproduces as transformers applies it. `generate` builds the logits processors and
+# stopping criteria from the config and hands them to the decoder, which runs them on the same padded rows as stock.
+SAMPLING_SETTINGS = {
+    "do_sample": "sampling (multinomial) or greedy (argmax)",
+    "temperature": "TemperatureLogitsWarper",
+    "top_k": "TopKLogitsWarper",
+    "top_p": "TopPLogitsWarper",
+    "min_p": "MinPLogitsWarper",
+    "repetition_penalty": "RepetitionPenaltyLogitsProcessor, over the padded rows as stock",
+    "max_new_tokens": "MaxLengthCriteria",
+    "max_length": "MaxLengthCriteria",
+    "eos_token_id": "EosTokenCriteria, then padding after EOS",
+    "pad_token_id": "padding after EOS",
+    # Other logits processors that `generate` builds and the decoder runs unchanged (tests/test_generation.py).
+    "suppress_tokens": "SuppressTokensLogitsProcessor",
+    "begin_suppress_tokens": "SuppressTokensAtBeginLogitsProcessor",
+    "min_length": "MinLengthLogitsProcessor",
+    "min_new_tokens": "MinNewTokensLengthLogitsProcessor",
+    "no_repeat_ngram_size": "NoRepeatNGramLogitsProcessor",
+    "bad_words_ids": "NoBadWordsLogitsProcessor",
+    "sequence_bias": "SequenceBiasLogitsProcessor",
+    "typical_p": "TypicalLogitsWarper",
+    "epsilon_cutoff": "EpsilonLogitsWarper",
+    "eta_cutoff": "EtaLogitsWarper",
+}
+# Settings that do not change which tokens are drawn: ids the model's own config sets, the cache (the decoder holds
+# its own state), compilation, and version bookkeeping.
+NEUTRAL_SETTINGS = {
+    "bos_token_id",
+    "decoder_start_token_id",
+    "cache_implementation",
+    "cache_config",
+    "max_cache_len",
+    "use_cache",
+    "disable_compile",
+    "compile_config",
+    "transformers_version",
+    "_from_model_config",
+}
+# The alternative to name for the settings the decoder refuses, where there is one.
+ALTERNATIVES = {
+    "num_return_sequences": "GRPO repeats each prompt num_generations times itself",
+    "guidance_scale": "classifier-free guidance runs extra model forwards inside a logits processor",
+    "return_dict_in_generate": "GRPO uses only the token ids",
+    "output_scores": "GRPO uses only the token ids (set vllm_importance_sampling_correction on the vLLM path for "
+    "generation log-probs)",
+    "output_logits": "GRPO uses only the token ids",
+    "max_time": "limit the length with max_completion_length instead",
+    "stop_strings": "stop on token ids: add them to eos_token_id in generation_kwargs",
+}
 
 
 def check_generation_config(config: GenerationConfig) -> None:
-    """Raises ValueError for settings the shared-prompt decoder cannot reproduce, naming the alternative."""
+    """Raises ValueError for settings the shared-prompt decoder does not reproduce, naming the alternative.
+
+    Supported: sampling or greedy decoding with the settings of `SAMPLING_SETTINGS` (EOS and padding after it, the
+    maximum length, temperature, top-k, top-p, min-p, repetition penalty, and the other logits processors listed
+    there), each as transformers applies it, since the decoder runs the processors `generate` builds. Any other
+    setting that differs from `GenerationConfig()`'s default is refused.
+    """
     fix = "or set shared_generation=False in LongStrawGRPOConfig to generate with transformers' own loop"
     mode = config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
@@ -55,18 +126,20 @@ def check_generation_config(config: GenerationConfig) -> None:
             f"shared-prompt generation supports sampling and greedy decoding, not {mode.value}: remove the "
             f"generation_kwargs that select it (num_beams, penalty_alpha, dola_layers, ...), {fix}."
         )
-    if (config.num_return_sequences or 1) != 1:
-        raise ValueError(f"num_return_sequences must be 1 (GRPO repeats prompts itself): remove it, {fix}.")
-    if config.guidance_scale not in (None, 1, 1.0):
+    default = GenerationConfig().to_dict()
+    for name, value in config.to_dict().items():
+        if name in SAMPLING_SETTINGS or name in NEUTRAL_SETTINGS or (name in default and value == default[name]):
+            continue
+        why = ALTERNATIVES.get(name, "the shared-prompt decoder does not reproduce it")
         raise ValueError(
-            f"guidance_scale={config.guidance_scale} runs extra forwards of the model inside the logits processor, "
-            f"which shared-prompt generation does not route: remove it, {fix}."
+            f"generation setting {name}={value!r} is not supported by shared-prompt generation ({why}): remove it "
+            f"from generation_kwargs, {fix}. Supported: {', '.join(sorted(SAMPLING_SETTINGS))}."
         )
-    if config.return_dict_in_generate:
-        raise ValueError(f"return_dict_in_generate is not supported by shared-prompt generation: remove it, {fix}.")
 
 
-def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor, longest: int | None = None) -> Callable:
+def shared_prompt_decoder(
+    engine: Engine, prompt: torch.Tensor, longest: int | None = None, rows_per_rank: list[int] | None = None
+) -> Callable:
     """A `custom_generate` callable for `model.generate` that decodes rows which all hold `prompt`.
 
     Args:
@@ -75,8 +148,15 @@ def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor, longest: int | N
         longest: the longest prompt of the batch that stock's one `generate` call would hold (default `L`): per-call
             RoPE (dynamic, longrope) rotates the prompt with the frequencies of `longest` positions and the `k`-th
             step with those of `longest + k`, as in that call (see `rope`).
+        rows_per_rank: with a sharded prompt state (`engine.shards`), the number of rows of this prompt on each rank
+            of the shard group, which decode in lockstep: every step is a branch round of those rows, and the ranks
+            step until every rank's rows are done (a rank whose rows finished early appends padding, as stock does
+            after EOS, which `trim_after_eos` drops).
     """
     longest = longest or prompt.shape[0]
+    shards = engine.shards
+    if shards is not None and rows_per_rank is None:
+        raise ValueError("decoding against a sharded prompt state needs rows_per_rank")
 
     def decode(
         model,
@@ -106,8 +186,10 @@ def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor, longest: int | N
         tail = engine.adapter.decode_tail(generation_config.max_length - width)
         step_ids = prompt[-1:].expand(rows)
         position = prompt.shape[0] - 1
-        with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail)):
+        with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail, shards)):
             while True:
+                if shards is not None:
+                    shards.branch_round(rows_per_rank)
                 # The prefill's and the loss pass's precision (see `engine`); the RoPE of `generate` at this length.
                 with engine.autocast(), engine.rope.pinned(longest + position - (prompt.shape[0] - 1)):
                     outputs = engine.causal_lm(
@@ -127,12 +209,20 @@ def shared_prompt_decoder(engine: Engine, prompt: torch.Tensor, longest: int | N
                     next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
                 input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
                 unfinished = unfinished & ~stopping_criteria(input_ids, None)
-                if unfinished.max() == 0:
+                if not _any_unfinished(unfinished, shards):
                     return input_ids
                 step_ids = next_tokens
                 position += 1
 
     return decode
+
+
+def _any_unfinished(unfinished: torch.Tensor, shards) -> bool:
+    """Whether a row of `unfinished` `[G]`, or with `shards` a row of any rank of the shard group, is still going."""
+    flag = unfinished.max().reshape(1)
+    if shards is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shards.group)
+    return bool(flag.item())
 
 
 def generation_config_for_decoder(config: GenerationConfig) -> GenerationConfig:
@@ -168,7 +258,8 @@ def generate_shared(
 
     The rows of one prompt are passed to `generate` left-padded to the batch width exactly as `GRPOTrainer` pads
     the whole batch, so the logits processors (repetition penalty, minimum length) and the maximum length see the
-    same `input_ids` as in stock; only the decoding loop is `shared_prompt_decoder`'s.
+    same `input_ids` as in stock; only the decoding loop is `shared_prompt_decoder`'s. With a sharded prompt state
+    (`engine.shards`), the ranks of the shard group decode the prompts in one agreed order, in lockstep.
 
     Args:
         model: the model `generate` is called on (unwrapped, PEFT adapters active).
@@ -185,6 +276,14 @@ def generate_shared(
     groups: dict[tuple[int, ...], list[int]] = {}
     for row, ids in enumerate(prompt_ids):
         groups.setdefault(tuple(ids), []).append(row)
+    items = list(groups.items())
+    rows_per_rank: list[list[int] | None] = [None] * len(items)
+    if engine.shards is not None:
+        # The ranks of a shard group hold the same prompts (other rows of them) and decode them in one agreed order.
+        keyed = [PromptGroup(tokens=torch.tensor(tokens), pad=0, rows=rows) for tokens, rows in items]
+        order, plan = engine.shards.agree(keyed, [[len(rows)] for _, rows in items])
+        items = [items[i] for i in order]
+        rows_per_rank = [[counts[0] for counts in ranks] for ranks in plan]
     config = generation_config_for_decoder(generation_config)
     completions: list[list[int]] = [[] for _ in prompt_ids]
     # Per-call RoPE: each prompt decodes from the state stock's one `generate` starts from, and the state left
@@ -192,9 +291,9 @@ def generate_shared(
     longest = max(len(ids) for ids in prompt_ids)
     start = final = engine.rope.snapshot()
     most_steps = -1
-    for tokens, rows in groups.items():
+    for (tokens, rows), counts in zip(items, rows_per_rank, strict=True):
         engine.rope.restore(start)
-        decoder = shared_prompt_decoder(engine, torch.tensor(tokens, device=device), longest)
+        decoder = shared_prompt_decoder(engine, torch.tensor(tokens, device=device), longest, counts)
         out = model.generate(
             input_ids=padded[rows], attention_mask=mask[rows], generation_config=config, custom_generate=decoder
         )

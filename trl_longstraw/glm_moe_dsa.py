@@ -21,6 +21,12 @@ to the visible keys `[prefix records | own tokens, causally]`:
    the output (`o @ W_uv^T`), so each query attends over its gathered top-k `kv` rows directly. The gathers are
    recomputed in the backward instead of being saved.
 
+**Decoding** (`generation.DecodePass`, `_decode_attention_forward`): the G rows of a prompt decode one token per
+step against its records (batch 1, never written) and their own tail `(kv [G, t, R + Dr], index_key [G, t, D])`.
+Each row's indexer query takes its top-k over the prompt's keys (the running top-k above) and its tail's, as
+transformers' indexer does over its key cache at decode (`decode_select_topk`), then absorbed MLA reads the selected
+rows of the prompt's records and of the row's tail.
+
 Stock semantics kept on purpose:
 
 - **The indexer runs without autograd**, as in transformers, where `GlmMoeDsaIndexer.forward` is decorated with
@@ -59,6 +65,8 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttent
 
 from .attention import autocast_inputs, autocast_off
 from .engine import active_pass
+from .generation import DecodePass
+from .kv import KVTail
 from .sharding import PromptShards, gather_tokens, merge_replicated, return_tokens
 
 try:  # Triton kernels of the selection and the sparse attention, used on CUDA (see `dsa_kernels.enabled`)
@@ -556,20 +564,71 @@ def _dense_weight(linear: nn.Module, like: torch.Tensor) -> torch.Tensor:
     return linear(torch.eye(linear.in_features, dtype=like.dtype, device=like.device)).T
 
 
-def _indexer(module: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Queries `[S, H, D]`, fp32 head weights `[S, H]` and keys `[S, D]` of `GlmMoeDsaIndexer`, as its forward
-    computes them (batch of one). Call without autograd, as transformers does."""
-    s = hidden.shape[1]
-    q = module.wq_b(q_resid).view(1, s, module.n_heads, module.head_dim)
+def _indexer_rows(
+    module: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+):
+    """Queries `[B, S, H, D]`, fp32 head weights `[B, S, H]` and keys `[B, S, D]` of `GlmMoeDsaIndexer`, as its
+    forward computes them. Call without autograd, as transformers does."""
+    b, s = hidden.shape[:2]
+    q = module.wq_b(q_resid).view(b, s, module.n_heads, module.head_dim)
     rope, rest = module.qk_rope_head_dim, module.head_dim - module.qk_rope_head_dim
     q_rot, q_pass = torch.split(q, [rope, rest], dim=-1)
-    k = module.k_norm(module.wk(hidden)).unsqueeze(2)  # [1, S, 1, D]
+    k = module.k_norm(module.wk(hidden)).unsqueeze(2)  # [B, S, 1, D]
     k_rot, k_pass = torch.split(k, [rope, rest], dim=-1)
     q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-    q = torch.cat([q_rot, q_pass], dim=-1)[0]
-    k = torch.cat([k_rot, k_pass], dim=-1)[0, :, 0]
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1)[:, :, 0]
     weights = module.weights_proj(hidden.to(module.weights_proj.weight.dtype)).float() * (module.n_heads**-0.5)
-    return q, weights[0], k
+    return q, weights, k
+
+
+def _indexer(module: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """`_indexer_rows` of a batch of one: queries `[S, H, D]`, head weights `[S, H]`, keys `[S, D]`."""
+    return tuple(x[0] for x in _indexer_rows(module, hidden, q_resid, cos, sin))
+
+
+def decode_select_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    prompt_keys: list[torch.Tensor],
+    row_keys: torch.Tensor,
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    """The DSA selection of one decoding step of G rows that share a prompt: each row's `topk` best keys among the
+    prompt's and its own tail's (the step's token last), ties to the earlier key as in `select_topk`.
+
+    Args:
+        q, weights: `[G, H, D]` indexer queries after RoPE and `[G, H]` fp32 head weights, one query per row.
+        prompt_keys: the prompt's indexer keys `[n_i, D]` per chunk, shared by the rows (`P` keys in all).
+        row_keys: `[G, t, D]` each row's keys after the prompt, its current token's last.
+        topk: `index_topk` of the config; scale: indexer softmax scale.
+
+    Returns:
+        `[G, min(topk, P + t)]` key numbers, the prompt's `[0, P)` then row `g`'s tail from `P`, `-1` for none.
+    """
+    prefix_len = sum(part.shape[0] for part in prompt_keys)
+    g, t = row_keys.shape[:2]
+    total = prefix_len + t
+    if total <= topk:
+        return torch.arange(total, device=q.device)[None, :].expand(g, -1)
+    numbers = torch.arange(prefix_len, total, device=q.device)[None, :].expand(g, -1)
+    # The tail's scores, per row, by the operations of `_index_scores` (stock's at decode).
+    scores = torch.relu(torch.matmul(q.float(), row_keys.float().transpose(1, 2)) * scale)  # [G, H, t]
+    tail = torch.matmul(weights[:, None, :], scores)[:, 0]
+    if prefix_len:
+        key_block = min(INDEX_KEY_BLOCK, prefix_len)
+        numbered, first = [], 0
+        for part in prompt_keys:
+            numbered.append((first, part))
+            first += part.shape[0]
+        values, keys = _running_topk(q, weights, _key_blocks(numbered, key_block), None, topk, scale, key_block)
+        values, keys = torch.cat([values, tail], dim=1), torch.cat([keys, numbers], dim=1)
+    else:
+        values, keys = tail, numbers
+    if values.shape[1] > topk:
+        values, keys = _keep_topk(values, keys, topk)
+    return _selection(values, keys, min(topk, total))
 
 
 def longstraw_attention_forward(
@@ -588,9 +647,11 @@ def longstraw_attention_forward(
     `[records | own tokens]`. Returns the output `[1, S, hidden]`, no attention weights, and the selection `[S, k]`
     that a following `"shared"` layer reuses, as stock passes its top-k indices on.
     """
+    p = active_pass()
+    if isinstance(p, DecodePass):
+        return _decode_attention_forward(self, p, hidden_states, position_embeddings, prev_topk_indices)
     if hidden_states.shape[0] != 1:
         raise ValueError(f"trl_longstraw runs one sequence per forward, got a batch of {hidden_states.shape[0]}")
-    p = active_pass()
     s = hidden_states.shape[1]
     heads, nope = self.num_heads, self.qk_nope_head_dim
 
@@ -643,6 +704,62 @@ def longstraw_attention_forward(
     return self.o_proj(out), None, sel
 
 
+def _decode_attention_forward(
+    self: GlmMoeDsaAttention,
+    p: DecodePass,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    prev_topk_indices: torch.Tensor | None,
+) -> tuple[torch.Tensor, None, torch.Tensor]:
+    """One decoding step of G rows that share a prompt state: `hidden_states` `[G, 1, hidden]` -> `[G, 1, hidden]`.
+
+    Each row's token is appended to the row's tail (`(kv [G, t, R + Dr], index_key [G, t, D])` in the decode tail),
+    then selects its top-k among the prompt's index keys (batch 1, read, never written) and its tail's
+    (`decode_select_topk`), and attends in latent space (absorbed MLA) to the selected rows of the prompt's records
+    and of its own tail. Returns the selection in that numbering (prompt, then the row's tail) for `"shared"` layers.
+    """
+    g = hidden_states.shape[0]
+    heads, nope = self.num_heads, self.qk_nope_head_dim
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q = self.q_b_proj(q_resid).view(g, 1, heads, self.qk_head_dim).transpose(1, 2)  # [G, H, 1, Dq]
+    q_pass, q_rot = torch.split(q, [nope, self.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = torch.split(
+        self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+    )
+    cos, sin = position_embeddings
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(g, 1, 1, -1), cos, sin)
+    (kv,) = autocast_inputs(torch.cat([self.kv_a_layernorm(kv_pass)[:, 0], k_rot[:, 0, 0]], dim=-1))  # [G, R + Dr]
+    prompt = p.prompt_records(self.layer_idx)
+    if self.indexer is not None:
+        with torch.no_grad():
+            index_q, index_weights, index_key = _indexer_rows(self.indexer, hidden_states, q_resid, cos, sin)
+            (index_key,) = autocast_inputs(index_key)
+        p.emit(self.layer_idx, (kv[:, None], index_key))
+    else:
+        if prev_topk_indices is None:
+            raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
+        p.emit(self.layer_idx, (kv[:, None],))
+    ((tail_kv, *tail_index),) = p.tail.records(self.layer_idx)  # [G, t, ...], this step's token last
+    if self.indexer is not None:
+        with torch.no_grad():
+            args = (self.indexer.index_topk, self.indexer.softmax_scale)
+            prompt_keys = [record[1] for record in prompt]
+            sel = decode_select_topk(index_q[:, 0], index_weights[:, 0], prompt_keys, tail_index[0], *args)
+    else:
+        sel = prev_topk_indices
+    # The rows' tails as one part after the prompt's chunks: row r's key P + j is row r * t + j of that part.
+    prefix_len, t = sum(record[0].shape[0] for record in prompt), tail_kv.shape[1]
+    rows = torch.arange(g, device=sel.device)[:, None]
+    flat = torch.where(sel >= prefix_len, sel + rows * t, sel)
+    w_kv = _dense_weight(self.kv_b_proj, like=q_pass).view(heads, nope + self.v_head_dim, self.kv_lora_rank)
+    q_lat = torch.einsum("ghd,hdr->ghr", q_pass[:, :, 0], w_kv[:, :nope])
+    (q_abs,) = autocast_inputs(torch.cat([q_lat, q_rot[:, :, 0]], dim=-1))  # [G, H, R + Dr]
+    kv_parts = [record[0] for record in prompt] + [tail_kv.reshape(g * t, -1)]
+    o_lat = sparse_latent_attention(q_abs, kv_parts, flat, self.scaling, self.kv_lora_rank)
+    out = torch.einsum("ghr,hvr->ghv", o_lat, w_kv[:, nope:]).reshape(g, 1, heads * self.v_head_dim)
+    return self.o_proj(out), None, sel
+
+
 class GlmMoeDsaAdapter:
     """Routes the `GlmMoeDsaAttention` layers of a `glm_moe_dsa` causal LM through the engine's active pass.
 
@@ -678,6 +795,12 @@ class GlmMoeDsaAdapter:
                     del m.forward
                 else:
                     m.forward = forward
+
+    @staticmethod
+    def decode_tail(capacity: int) -> KVTail:
+        """Storage of the decoded rows (see `generation.DecodePass`): per layer `(kv [G, capacity, R + Dr],
+        index_key [G, capacity, D])`, without `index_key` on `"shared"` layers."""
+        return KVTail(capacity, time_dim=1)
 
     @staticmethod
     def state_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:

@@ -6,8 +6,10 @@ writes to `DIR`, without any network access:
 
 - `config.yaml`: the recipe config, verbatim (its first lines give the launch command);
 - `config.json`: the same mapping as JSON (JSON is YAML, so `--config config.json` works too);
-- `README.md`: a config card with YAML front matter (`library_name: trl`, tags `trl`, `grpo`, `longstraw`), the exact
-  launch line, and the settings that matter for long prompts.
+- `accelerate.yaml`: the accelerate config that the launch line names (`--config_file`), if it has one;
+- `README.md`: a config card with YAML front matter (`library_name: trl`, tags `trl`, `grpo`, `longstraw`), the launch
+  line for an installed trl_longstraw (the `trl-longstraw` command, `python -m trl_longstraw.cli` under a launcher)
+  and for a checkout, and the settings that matter for long prompts.
 
 Upload the folder with `hf upload <user>/<repo> DIR` (or `huggingface_hub.HfApi().upload_folder`).
 
@@ -92,6 +94,30 @@ def launch_command(text: str) -> str:
     raise ValueError(f"the config has no '{LAUNCH_PREFIX} <command>' comment: add one as its first line.")
 
 
+def installed_launch_command(text: str, config_path: str, accelerate_config_path: str | None = None) -> str:
+    """The launch command of a recipe config's text for an installed trl_longstraw, with the config at `config_path`.
+
+    `recipes/grpo_long.py` becomes `trl-longstraw grpo` when the command runs it with `python` or alone, and
+    `-m trl_longstraw.cli grpo` under a launcher (`accelerate launch`, `torchrun`); the `--config` value becomes
+    `config_path`, and the `--config_file` value (the accelerate config) `accelerate_config_path` if given. For
+    example, `accelerate launch --cpu recipes/grpo_long.py --config recipes/configs/tiny_cpu.yaml`
+    gives `accelerate launch --cpu -m trl_longstraw.cli grpo --config tiny_cpu/config.yaml`.
+
+    Raises:
+        ValueError: if the launch command does not run `recipes/grpo_long.py` with `--config`.
+    """
+    words = launch_command(text).split()
+    if "recipes/grpo_long.py" not in words or "--config" not in words[:-1]:
+        raise ValueError("the config's launch line must run recipes/grpo_long.py --config <the config>.")
+    words[words.index("--config") + 1] = config_path
+    if accelerate_config_path is not None and "--config_file" in words[:-1]:
+        words[words.index("--config_file") + 1] = accelerate_config_path
+    script = words.index("recipes/grpo_long.py")
+    if script == 0 or words[:script] == ["python"]:
+        return " ".join(["trl-longstraw", "grpo", *words[script + 1 :]])
+    return " ".join([*words[:script], "-m", "trl_longstraw.cli", "grpo", *words[script + 1 :]])
+
+
 def parse_recipe_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()):
     """Parses a recipe config with the recipe's `TrlParser`: `(script_args, training_args, model_args)`.
 
@@ -108,9 +134,12 @@ def parse_recipe_config(path: str | Path, overrides: list[str] | tuple[str, ...]
     return make_parser().parse_args_and_config(args)
 
 
-def model_card(text: str, parsed: tuple, name: str, repo_id: str | None = None) -> str:
+def model_card(
+    text: str, parsed: tuple, name: str, repo_id: str | None = None, accelerate_config: bool = False
+) -> str:
     """The README.md config card of the recipe config `name` (its file name's stem), given its YAML `text` and
-    `parsed = parse_recipe_config(...)`; `repo_id` is the Hub repository it goes to, if known."""
+    `parsed = parse_recipe_config(...)`; `repo_id` is the Hub repository it goes to, if known; `accelerate_config`:
+    whether the repository also holds the launch line's accelerate config as `accelerate.yaml`."""
     script_args, training_args, model_args = parsed
     model = model_args.model_name_or_path
     front = {"library_name": "trl", "tags": list(CARD_TAGS)}
@@ -139,6 +168,8 @@ def model_card(text: str, parsed: tuple, name: str, repo_id: str | None = None) 
     if rope:
         rows.append(("RoPE override", f"`{json.dumps(rope)}`"))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    files = ["config.yaml", "accelerate.yaml"] if accelerate_config else ["config.yaml"]
+    accelerate = f"{name}/accelerate.yaml" if accelerate_config else None
     return (
         "---\n"
         + yaml.safe_dump(front, sort_keys=False)
@@ -148,10 +179,13 @@ def model_card(text: str, parsed: tuple, name: str, repo_id: str | None = None) 
         + "prefills each distinct prompt once, in chunks, and replays each completion against the shared prompt "
         + "state.\n\n"
         + "## Launch\n\n"
-        + f"From a checkout of trl_longstraw:\n\n```bash\n{launch_command(text)}\n```\n\n"
-        + "This repository's `config.yaml` is that config (`config.json` holds the same mapping). To use the copy "
-        + "from the Hub, download it and pass it to `--config` in the launch line above:\n\n"
-        + f"```bash\nhf download {repo_id or '<user>/<repo>'} config.yaml --local-dir {name}\n```\n\n"
+        + "Install trl_longstraw (`pip install trl_longstraw`, or `pip install .` in its source tree), which installs "
+        + "the `trl-longstraw` command, then download this repository's config and launch it:\n\n"
+        + f"```bash\nhf download {repo_id or '<user>/<repo>'} {' '.join(files)} --local-dir {name}\n"
+        + f"{installed_launch_command(text, f'{name}/config.yaml', accelerate)}\n```\n\n"
+        + "`config.json` holds the same mapping (JSON is YAML, so `--config config.json` works too); flags after it "
+        + "override its values. From a checkout of trl_longstraw the same run is:\n\n"
+        + f"```bash\n{launch_command(text)}\n```\n\n"
         + "## Settings\n\n"
         + "| setting | value |\n|---|---|\n"
         + table
@@ -167,12 +201,29 @@ def export(config_path: str | Path, out_dir: str | Path, repo_id: str | None = N
     config_path, out_dir = Path(config_path), Path(out_dir)
     text = config_path.read_text()
     parsed = parse_recipe_config(config_path)
-    card = model_card(text, parsed, config_path.stem, repo_id)
+    accelerate_config = _accelerate_config(config_path, text)
+    card = model_card(text, parsed, config_path.stem, repo_id, accelerate_config is not None)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if accelerate_config is not None:
+        (out_dir / "accelerate.yaml").write_text(accelerate_config.read_text())
     (out_dir / "config.yaml").write_text(text)
     (out_dir / "config.json").write_text(json.dumps(yaml.safe_load(text), indent=2) + "\n")
     (out_dir / "README.md").write_text(card)
     return out_dir
+
+
+def _accelerate_config(config_path: Path, text: str) -> Path | None:
+    """The accelerate config file (`--config_file`) of the recipe config's launch line, if there is one and it is
+    found: relative to the checkout holding `config_path` (`<root>/recipes/configs/X.yaml`), or to the working folder.
+    """
+    words = launch_command(text).split()
+    if "--config_file" not in words[:-1]:
+        return None
+    value = words[words.index("--config_file") + 1]
+    for candidate in (config_path.resolve().parents[2] / value, Path(value)):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def _task_names() -> tuple[str, ...]:

@@ -63,39 +63,47 @@ def attention_switched(causal_lm: PreTrainedModel):
 class KVTail:
     """The records of the tokens each decoded row adds after the shared prompt, for `generation.DecodePass`.
 
-    Per attention layer, keys and values `[G, Hkv, capacity, D]`, allocated at the layer's first step and filled one
-    token per step, so a step reads one tail record instead of one record per earlier step.
+    Per layer, each tensor of the record with a capacity of `capacity` tokens along `time_dim` (keys and values
+    `[G, Hkv, capacity, D]` on the generic adapter; `glm_moe_dsa`'s latent rows `[G, capacity, R + Dr]` with
+    `time_dim=1`), allocated at the layer's first step and filled one token per step, so a step reads one tail record
+    instead of one record per earlier step. Per recurrent layer (a record that supersedes the earlier ones, e.g.
+    qwen3_5's `(conv_tail, state)`), the rows' latest record `[G, ...]`, replaced at every step (`replace`).
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, time_dim: int = 2):
         self.capacity = capacity
-        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.time_dim = time_dim
+        self.buffers: dict[int, tuple[torch.Tensor, ...]] = {}
         self.lengths: dict[int, int] = {}
+        self.latest: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def records(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
-        """The tail of `layer_idx` so far, as at most one record `(keys, values)` `[G, Hkv, t, D]`."""
+        """The tail of `layer_idx` so far, as at most one record: its tensors up to the `t` tokens appended (e.g.
+        `(keys, values)` `[G, Hkv, t, D]`), or the rows' latest recurrent record."""
+        if layer_idx in self.latest:
+            return [self.latest[layer_idx]]
         t = self.lengths.get(layer_idx, 0)
         if t == 0:
             return []
-        k, v = self.buffers[layer_idx]
-        return [(k[:, :, :t], v[:, :, :t])]
+        return [tuple(x.narrow(self.time_dim, 0, t) for x in self.buffers[layer_idx])]
+
+    def replace(self, layer_idx: int, record: tuple[torch.Tensor, ...]) -> None:
+        """Stores the step's superseding record `[G, ...]` of a recurrent layer in place of the previous one."""
+        self.latest[layer_idx] = record
 
     def append(self, layer_idx: int, record: tuple[torch.Tensor, ...]) -> None:
-        """Appends the step's `(keys, values)` `[G, Hkv, n, D]` of `layer_idx`."""
-        key, value = record
+        """Appends the step's record of `layer_idx` (e.g. `(keys, values)` `[G, Hkv, n, D]`, `n` along `time_dim`)."""
+        n = record[0].shape[self.time_dim]
         if layer_idx not in self.buffers:
-            shape = (key.shape[0], key.shape[1], self.capacity)
-            self.buffers[layer_idx] = (
-                key.new_empty(*shape, key.shape[-1]),
-                value.new_empty(*shape, value.shape[-1]),
+            self.buffers[layer_idx] = tuple(
+                x.new_empty(*x.shape[: self.time_dim], self.capacity, *x.shape[self.time_dim + 1 :]) for x in record
             )
             self.lengths[layer_idx] = 0
-        t, n = self.lengths[layer_idx], key.shape[2]
+        t = self.lengths[layer_idx]
         if t + n > self.capacity:
             raise RuntimeError(f"decode tail of capacity {self.capacity} overflowed at layer {layer_idx}")
-        k, v = self.buffers[layer_idx]
-        k[:, :, t : t + n] = key
-        v[:, :, t : t + n] = value
+        for buffer, x in zip(self.buffers[layer_idx], record, strict=True):
+            buffer.narrow(self.time_dim, t, n).copy_(x)
         self.lengths[layer_idx] = t + n
 
 
@@ -104,6 +112,8 @@ class KVCacheAdapter:
 
     # Attention goes through `sharding.attend`, so the records can be spread over the ranks of a shard group.
     shards_prompt_state = True
+    # Decoding against a sharded prompt state: attention through `sharding.sharded_decode_attention`.
+    decodes_sharded = True
     # Its layers take several right-padded branches per forward against prompt records of batch 1 (no-grad scoring
     # in `Engine.score`); adapters without this attribute score one branch per forward.
     batches_branches = True

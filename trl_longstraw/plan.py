@@ -2,11 +2,14 @@
 
     python -m trl_longstraw.plan --model {qwen3.6-27b|glm-5.2|PATH} --positions 2.1M --gpus 8 --gpu-memory 96GB \
         --mode {exact|detached} [--group-size G --completion-length C --prefill-chunk-size N --shard-prompt-state]
+    python -m trl_longstraw.plan --config recipes/configs/X.yaml --gpus 8 --gpu-memory 96GB [flags override it]
 
 The presets build the real shapes from transformers config classes and instantiate the model on the meta device, so
 parameter counts are exact and nothing is downloaded; PATH loads a local `config.json` (or a folder holding one).
 
-The budget is per GPU, at the peak of a training step (see `estimate`). Exit code 0 when it fits, 3 when it does not.
+The budget is per GPU, at the peak of a training step (see `estimate`). Exit code 0 when it fits, 3 when it does not,
+4 when it fits but the trainer would refuse the setup at construction (`trainer_refusals`), 2 for an error in the
+arguments (one line on stderr: an unknown preset, an unsupported model, an unreadable recipe).
 The same estimate backs the trainer's memory guard (`trl_longstraw.guards.check_memory`).
 """
 
@@ -104,9 +107,9 @@ ROPE_SCALING_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
 
 def preset_config(name: str, positions: int | None = None):
     """The text config of preset `name`, with YaRN set when `positions` exceed its native window."""
-    if name not in PRESETS:
+    if name.lower() not in PRESETS:
         raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)} or pass a config.json path")
-    config = PRESETS[name][1]()
+    config = PRESETS[name.lower()][1]()
     return with_yarn(config, positions) if positions is not None else config
 
 
@@ -177,11 +180,20 @@ def load_config(path: str | Path):
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise ValueError(f"{path} is neither a preset ({', '.join(PRESETS)}) nor a config.json or a folder with one")
-    data = json.loads(file.read_text())
-    if "model_type" not in data:
-        raise ValueError(f"{file} has no model_type")
-    config = AutoConfig.for_model(data.pop("model_type"), **data)
+        raise ValueError(
+            f"{str(path)!r} is neither a preset ({', '.join(PRESETS)}, in any case) nor a config.json or a folder "
+            "holding one"
+        )
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"{file} has no model_type: it is not a transformers config.json")
+    try:
+        config = AutoConfig.for_model(data.pop("model_type"), **data)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{file}: transformers cannot build its config ({e})") from None
     return config.get_text_config()
 
 
@@ -286,6 +298,10 @@ class ModelStats:
         root_trainable: trainable parameters outside the decoder layers.
         query_exchange: `(query elements, output elements)` per token of one attention layer as a branch round of the
             sharded prompt state exchanges them: all heads' queries, and their outputs (the latent for MLA).
+        num_experts: routed experts per MoE layer (0 for dense models).
+        expert_params, expert_trainable: parameters of the routed experts (fused `[E, out, in]` weights), all layers.
+        largest_layer_dense_params, largest_layer_dense_trainable: the largest decoder layer without its routed
+            experts (what FSDP2 gathers per layer under expert parallelism, where experts are never gathered).
     """
 
     total_params: int
@@ -301,6 +317,11 @@ class ModelStats:
     state_fixed: int
     root_trainable: int = 0
     query_exchange: tuple[int, int] = (0, 0)
+    num_experts: int = 0
+    expert_params: int = 0
+    expert_trainable: int = 0
+    largest_layer_dense_params: int = 0
+    largest_layer_dense_trainable: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -327,20 +348,32 @@ def _activation_elems(layer: nn.Module, top_k: int) -> int:
 
 
 def model_stats(
-    causal_lm: nn.Module, config=None, lora_rank: int | None = None, state_dtype_bytes: int = 2
+    causal_lm: nn.Module,
+    config=None,
+    lora_rank: int | None = None,
+    state_dtype_bytes: int = 2,
+    lora_targets: list[str] | None = None,
 ) -> ModelStats:
     """Counts a causal LM's parameters and per-token activations (works on the meta device).
 
-    With `lora_rank`, only LoRA adapters of that rank on every `nn.Linear` of the decoder layers (PEFT's
-    `target_modules="all-linear"`) are trainable; otherwise the model's `requires_grad` flags decide. The prompt
-    state's records are counted at `state_dtype_bytes` per element (the compute dtype).
+    With `lora_rank`, only LoRA adapters of that rank are trainable: on every `nn.Linear` of the decoder layers
+    (PEFT's `target_modules="all-linear"`), or with `lora_targets` on those whose name ends with one of them (PEFT's
+    `target_modules` list); otherwise the model's `requires_grad` flags decide. The prompt state's records are counted
+    at `state_dtype_bytes` per element (the compute dtype).
     """
     config = config if config is not None else causal_lm.config.get_text_config()
     layers = decoder_layers(causal_lm)
     top_k = getattr(config, "num_experts_per_tok", None) or 1
 
+    def targeted(name: str) -> bool:
+        return lora_targets is None or name.rsplit(".", 1)[-1] in lora_targets
+
     def lora(module: nn.Module) -> int:
-        return sum(lora_rank * (m.in_features + m.out_features) for m in module.modules() if isinstance(m, nn.Linear))
+        return sum(
+            lora_rank * (m.in_features + m.out_features)
+            for name, m in module.named_modules()
+            if isinstance(m, nn.Linear) and targeted(name)
+        )
 
     def trainable(module: nn.Module) -> int:
         return lora(module) if lora_rank else sum(p.numel() for p in module.parameters() if p.requires_grad)
@@ -351,6 +384,21 @@ def model_stats(
     base = sum(p.numel() for p in causal_lm.parameters())
     adapters = sum(lora(layer) for layer in layers) if lora_rank else 0
     acts = [_activation_elems(layer, top_k) for layer in layers]
+    # Routed experts: fused `[E, out, in]` weights (transformers' `*Experts` modules); LoRA never targets them.
+    experts = [
+        [
+            p
+            for m in layer.modules()
+            if not isinstance(m, (nn.Linear, nn.Conv1d))
+            for p in m.parameters(recurse=False)
+            if p.ndim == 3
+        ]
+        for layer in layers
+    ]
+    expert_counts = [sum(p.numel() for p in ps) for ps in experts]
+    expert_trained = [0 if lora_rank else sum(p.numel() for p in ps if p.requires_grad) for ps in experts]
+    dense = [n - e for n, e in zip(layer_params, expert_counts, strict=True)]
+    dense_trainable = [trainable(layer) - e for layer, e in zip(layers, expert_trained, strict=True)]
     per_token, fixed = prompt_state_bytes(config, state_dtype_bytes)
     return ModelStats(
         total_params=base + adapters,
@@ -366,6 +414,11 @@ def model_stats(
         state_fixed=fixed,
         root_trainable=0 if lora_rank else trainable(causal_lm) - sum(trainable(layer) for layer in layers),
         query_exchange=query_exchange(config),
+        num_experts=max((ps[0].shape[0] for ps in experts if ps), default=0),
+        expert_params=sum(expert_counts),
+        expert_trainable=sum(expert_trained),
+        largest_layer_dense_params=max(dense),
+        largest_layer_dense_trainable=max(dense_trainable),
     )
 
 
@@ -392,8 +445,8 @@ class Setup:
         gpus: processes (one GPU each).
         gpu_memory: bytes per GPU (default 80 GB).
         shard_prompt_state: the prompt state and its gradient are split over the GPUs of a shard group.
-        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP only one group
-            of all GPUs lets FSDP2 gather layer by layer; smaller groups gather the whole model.
+        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2, one group of
+            all GPUs (or no sharded state) lets FSDP2 gather layer by layer; smaller groups gather the whole model.
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
@@ -402,6 +455,14 @@ class Setup:
             (trainable weights upcast to fp32, frozen ones kept in bf16, fp32 gradients and AdamW states).
         compute_bytes: activations and all-gathered weights (bf16).
         headroom: fraction of `gpu_memory` left for the CUDA context, NCCL buffers and allocator fragmentation.
+        expert_parallel: routed experts split by expert over an EP group of `ep_size` GPUs (0: all of them), through
+            transformers' expert parallelism; never all-gathered. The other parameters stay under FSDP2.
+        offload: FSDP2's CPUOffloadPolicy: the sharded parameters (fp32 master weights), their gradients and the
+            optimizer state live in host memory, and the optimizer steps there.
+        offload_boundary_states: exact mode: the recurrent chunk-boundary states wait in pinned host memory
+            (`LongStrawGRPOConfig.offload_boundary_states`).
+        gpus_per_node: processes per node, for the host memory of a node.
+        host_memory: host bytes per node for the offloaded items; None: not checked.
     """
 
     positions: int
@@ -421,8 +482,16 @@ class Setup:
     optimizer_bytes: int = 8
     compute_bytes: int = 2
     headroom: float = 0.05
+    expert_parallel: bool = False
+    ep_size: int = 0
+    offload: bool = False
+    offload_boundary_states: bool = False
+    gpus_per_node: int = 8
+    host_memory: int | None = None
 
     def __post_init__(self):
+        if self.expert_parallel and self.ep_size and self.gpus % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide the {self.gpus} GPUs")
         if self.mode not in ("exact", "detached"):
             raise ValueError(f"mode={self.mode!r}: use 'exact' or 'detached'")
         for name in ("positions", "completion_length", "group_size", "prefill_chunk_size", "gpus", "gpu_memory"):
@@ -452,6 +521,7 @@ class Budget:
     stats: ModelStats
     setup: Setup
     items: list[Item] = field(default_factory=list)
+    host: list[Item] = field(default_factory=list)
 
     @property
     def peak(self) -> int:
@@ -465,8 +535,18 @@ class Budget:
         return self.peak - sum(i.nbytes for i in self.items if i.resident)
 
     @property
+    def host_per_node(self) -> int:
+        """Host bytes per node that the step keeps there (offloaded items, `setup.gpus_per_node` processes)."""
+        return sum(i.nbytes for i in self.host) * min(self.setup.gpus, self.setup.gpus_per_node)
+
+    @property
+    def fits_host(self) -> bool:
+        """Whether the host items fit `setup.host_memory` per node (True when no budget is given)."""
+        return self.setup.host_memory is None or self.host_per_node <= self.setup.host_memory
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.setup.gpu_memory
+        return self.peak <= self.setup.gpu_memory and self.fits_host
 
 
 def state_tokens(positions: int) -> int:
@@ -487,55 +567,101 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     s, u = stats, setup
     exact = u.mode == "exact"
     shards = u.gpus if u.fsdp else 1
-    frozen = s.total_params - s.trainable_params
+    ep = (u.ep_size or u.gpus) if u.expert_parallel else 1
+    if u.expert_parallel and (not s.num_experts or s.num_experts % ep):
+        raise ValueError(
+            f"expert parallelism over {ep} GPUs needs a MoE model whose routed experts divide evenly among them "
+            f"(this model has {s.num_experts or 'no'} routed experts per layer)"
+        )
 
     def share(n: int, parts: int) -> int:
         return -(-n // parts)
 
-    items = [
-        Item(
-            "weights",
-            share(s.trainable_params * u.trainable_weight_bytes + frozen * u.frozen_weight_bytes, shards),
-            f"{_count(s.trainable_params)} trainable x {u.trainable_weight_bytes} B"
-            + (f" + {_count(frozen)} frozen x {u.frozen_weight_bytes} B" if frozen else "")
-            + (f", sharded /{shards}" if shards > 1 else ""),
-            resident=True,
-        ),
-        Item(
-            "gradients",
-            share(s.trainable_params * u.grad_bytes, shards),
-            f"{u.grad_bytes} B per trainable parameter" + (f", sharded /{shards}" if shards > 1 else ""),
-        ),
-        Item(
-            "optimizer state",
-            share(s.trainable_params * u.optimizer_bytes, shards),
-            f"AdamW exp_avg + exp_avg_sq, {u.optimizer_bytes} B per trainable parameter"
-            + (f", sharded /{shards}" if shards > 1 else ""),
-        ),
-    ]
+    # Under expert parallelism the routed experts are split by expert over the EP group (never all-gathered); the
+    # other parameters stay under FSDP2. Without it, every parameter is under FSDP2.
+    moved = s.expert_params if u.expert_parallel else 0
+    moved_trainable = s.expert_trainable if u.expert_parallel else 0
+    fsdp_trainable, fsdp_frozen = s.trainable_params - moved_trainable, s.total_params - s.trainable_params
+    fsdp_frozen -= moved - moved_trainable
+    fsdp_weights = share(fsdp_trainable * u.trainable_weight_bytes + fsdp_frozen * u.frozen_weight_bytes, shards)
+    ep_weights = share(
+        moved_trainable * u.trainable_weight_bytes + (moved - moved_trainable) * u.frozen_weight_bytes, ep
+    )
+    sharded = f", sharded /{shards}" if shards > 1 else ""
+    experts = ""
+    if moved:
+        sharded = f", sharded /{shards} but the routed experts" if shards > 1 else ", but the routed experts"
+        experts = f", which are split by expert /{ep} ({s.num_experts // ep} of {s.num_experts} per GPU)"
+    # FSDP2's CPUOffloadPolicy keeps the sharded parameters (the fp32 master weights), their gradients and the
+    # optimizer state in host memory and steps the optimizer there; experts outside FSDP2 stay on the GPU.
+    host = []
+    where = "on the host (FSDP2 CPU offload)" if u.offload else ""
+    frozen = s.total_params - s.trainable_params
+    weights_detail = (
+        f"{_count(s.trainable_params)} trainable x {u.trainable_weight_bytes} B"
+        + (f" + {_count(frozen)} frozen x {u.frozen_weight_bytes} B" if frozen else "")
+        + sharded
+        + experts
+    )
+    plain = f", sharded /{shards}" if shards > 1 else ""
+    grad_detail = f"{u.grad_bytes} B per trainable parameter" + (sharded + experts if moved_trainable else plain)
+    optim_detail = f"AdamW exp_avg + exp_avg_sq, {u.optimizer_bytes} B per trainable parameter" + (
+        sharded + experts if moved_trainable else plain
+    )
+    fsdp = {
+        "weights": fsdp_weights,
+        "gradients": share(fsdp_trainable * u.grad_bytes, shards),
+        "optimizer state": share(fsdp_trainable * u.optimizer_bytes, shards),
+    }
+    local = {
+        "weights": ep_weights,
+        "gradients": share(moved_trainable * u.grad_bytes, ep),
+        "optimizer state": share(moved_trainable * u.optimizer_bytes, ep),
+    }
+    details = {"weights": weights_detail, "gradients": grad_detail, "optimizer state": optim_detail}
+    items = []
+    for name in ("weights", "gradients", "optimizer state"):
+        if u.offload:
+            host.append(Item(name, fsdp[name], details[name]))
+            on_gpu = local[name]
+            detail = f"{_size(fsdp[name])} {where}" + (f"; experts /{ep} on the GPU" if local[name] else "")
+        else:
+            on_gpu, detail = fsdp[name] + local[name], details[name]
+        items.append(Item(name, on_gpu, detail, resident=name == "weights"))
     state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
-    if shards > 1 and state_parts == u.gpus:
-        # Lockstep passes: FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the
-        # root's own parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass.
-        gathered = s.root_params + s.root_trainable + 2 * s.largest_layer_params + s.largest_layer_trainable
-        items.append(
-            Item(
-                "FSDP all-gathered",
-                gathered * u.compute_bytes,
-                "per pass: root module (embeddings, head) and its unreduced gradient + 2 largest layers (current, "
-                f"prefetched) + 1 layer's unsharded gradient, {u.compute_bytes} B each",
-            )
+    if shards > 1 and (not u.shard_prompt_state or state_parts == u.gpus):
+        # Lockstep passes (the sharded state's over all GPUs, or the data-parallel one: equal pass counts per rank):
+        # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the root's own
+        # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass. Routed
+        # experts under expert parallelism are never gathered.
+        layer, layer_trainable = s.largest_layer_params, s.largest_layer_trainable
+        if u.expert_parallel:
+            layer, layer_trainable = s.largest_layer_dense_params, s.largest_layer_dense_trainable
+        gathered = s.root_params + s.root_trainable + 2 * layer + layer_trainable
+        detail = (
+            "per pass: root module (embeddings, head) and its unreduced gradient + 2 largest layers (current, "
+            f"prefetched) + 1 layer's unsharded gradient, {u.compute_bytes} B each"
         )
+        if u.expert_parallel:
+            detail += ", routed experts excluded"
+        staged = 0
+        if u.offload:
+            # The current and prefetched layers' shards are copied to the GPU before their all-gather, and one
+            # layer's reduce-scattered gradient shard waits there for its copy to the host.
+            staged = share(2 * layer * u.trainable_weight_bytes + layer_trainable * u.grad_bytes, shards)
+            detail += f" + {_size(staged)} of shards staged from and to the host"
+        items.append(Item("FSDP all-gathered", gathered * u.compute_bytes + staged, detail))
     elif shards > 1:
-        # Ranks run different passes, so the engine gathers the whole model once per call and reduces the gradient
-        # once per micro-batch (docs/distributed.md).
-        why = "shard groups smaller than the GPUs" if u.shard_prompt_state else "the prompt state is not sharded"
+        # Shard groups smaller than the GPUs run different passes, so the engine gathers the whole model once per call
+        # and reduces the gradient once per micro-batch (docs/distributed.md).
+        whole = s.total_params - moved + s.trainable_params - moved_trainable
         items.append(
             Item(
                 "FSDP all-gathered",
-                (s.total_params + s.trainable_params) * u.compute_bytes,
-                f"whole model + its unreduced gradient, gathered once per engine call ({why}, so ranks run "
-                f"different passes), {u.compute_bytes} B each",
+                whole * u.compute_bytes,
+                "whole model + its unreduced gradient, gathered once per engine call (shard groups smaller than the "
+                f"GPUs run different passes), {u.compute_bytes} B each"
+                + (", routed experts excluded" if moved else ""),
             )
         )
     tokens = state_tokens(u.positions)
@@ -544,8 +670,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     # (Gated DeltaNet): the final one on every GPU, and in exact mode one per chunk boundary. Sharded, a boundary
     # stays on the owner of its chunk and the reverse pass holds one more, broadcast from its owner
     # (see docs/distributed.md).
+    # With `offload_boundary_states`, the superseded boundaries wait in host memory (this GPU's share of them when
+    # sharded): the GPU keeps the newest, and the reverse pass holds the chunk's own, the restored previous one and
+    # the one in flight (or a broadcast copy).
+    offloaded = exact and u.offload_boundary_states and s.state_fixed > 0
     if not exact:
         copies = 1
+    elif offloaded:
+        copies = min(chunks, 3)
     elif state_parts > 1:
         copies = min(chunks, share(chunks - 1, state_parts) + 2)
     else:
@@ -556,13 +688,26 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         detail += f" sharded /{state_parts}"
     if s.state_fixed:
         detail += f" + {copies:,} x {_size(s.state_fixed)} fixed"
-        if exact and state_parts > 1:
+        if offloaded:
+            detail += f" (of {chunks:,} chunk boundaries: the rest wait on the host)"
+        elif exact and state_parts > 1:
             detail += f" (of {chunks:,} chunk boundaries: this GPU's share, the final one and one broadcast copy)"
         elif exact:
             detail += " (one per chunk boundary)"
         elif state_parts > 1:
             detail += ", replicated"
     items.append(Item("prompt state", per_token + copies * s.state_fixed, detail))
+    if offloaded:
+        held = share(chunks - 1, state_parts)
+        host.append(
+            Item(
+                "boundary states",
+                held * s.state_fixed,
+                f"{held:,} x {_size(s.state_fixed)} (offload_boundary_states"
+                + (f": this GPU's share of {chunks - 1:,}" if state_parts > 1 else "")
+                + ", pinned)",
+            )
+        )
     # Every branch reads every per-token record, so their gradients accumulate over the whole prompt; a recurrent
     # record's gradient lives only while the reverse pass crosses its chunk boundary (two at a time).
     boundary_grads = min(chunks, 2)
@@ -628,7 +773,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             f"{u.headroom:.0%} of the GPU: CUDA context, NCCL buffers, allocator fragmentation",
         )
     )
-    return Budget(stats, setup, items)
+    return Budget(stats, setup, items, host)
 
 
 MAX_POSITIONS = 1 << 40
@@ -686,6 +831,12 @@ def suggestions(budget: Budget, free_bytes: int | None = None) -> list[str]:
         changes["prompt_gradient='detached' (biased gradient)"] = {"mode": "detached"}
     if not u.shard_prompt_state and u.gpus > 1:
         changes["shard_prompt_state=True"] = {"shard_prompt_state": True}
+    if u.mode == "exact" and s.state_fixed and not u.offload_boundary_states:
+        changes["offload_boundary_states=True"] = {"offload_boundary_states": True}
+    if not u.offload and u.fsdp and u.gpus > 1:
+        changes["FSDP2 CPU offload of the weights, gradients and optimizer state"] = {"offload": True}
+    if s.num_experts and not u.expert_parallel and u.gpus > 1 and s.num_experts % u.gpus == 0:
+        changes["expert parallelism"] = {"expert_parallel": True}
     chunk = _best_chunk(s, u, fits)
     if chunk != u.prefill_chunk_size:
         changes[f"prefill_chunk_size={chunk}"] = {"prefill_chunk_size": chunk}
@@ -735,7 +886,11 @@ def _fewest_gpus(stats: ModelStats, setup: Setup, fits) -> int | None:
     queries, which grows with the ranks while the state shrinks).
     """
     for gpus in range(setup.gpus, MAX_GPUS + 1):
-        if fits(estimate(stats, replace(setup, gpus=gpus))):
+        try:
+            budget = estimate(stats, replace(setup, gpus=gpus))
+        except ValueError:
+            continue  # e.g. an expert-parallel group that does not divide the experts
+        if fits(budget):
             return gpus
     return None
 
@@ -792,21 +947,249 @@ def format_budget(budget: Budget, title: str) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------------- recipes
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe YAML (`recipes/configs/*.yaml`) as `recipes/grpo_long.py` parses it: its three argument objects."""
+
+    path: str
+    script_args: object
+    training_args: object
+    model_args: object
+
+
+def read_recipe(path: str | Path) -> Recipe:
+    """Parses a recipe YAML with the recipe's own parser (`trl_longstraw.recipe.make_parser`), so that its keys are
+    checked as the recipe checks them. `bf16` is read as off: the planner runs without a GPU, and TrainingArguments
+    refuses bf16 there; the planner's `--precision` decides the bytes instead.
+
+    Raises:
+        ValueError: for a missing file or keys that the recipe does not know.
+    """
+    if not Path(path).is_file():
+        raise ValueError(f"--config {str(path)!r}: no such file")
+    import yaml
+
+    from .recipe import make_parser
+
+    try:
+        script_args, training_args, model_args = make_parser().parse_args_and_config(
+            args=["--config", str(path), "--bf16", "false", "--fp16", "false"]
+        )
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {str(path)!r} is not valid YAML: {e}") from None
+    except SystemExit:
+        raise ValueError(f"--config {str(path)!r} is not a recipe config that recipes/grpo_long.py reads") from None
+    return Recipe(str(path), script_args, training_args, model_args)
+
+
+def recipe_model(name: str) -> str:
+    """The planner's `--model` for a recipe's `model_name_or_path`: a preset when its last path component names one
+    (`Qwen/Qwen3.6-27B` -> `qwen3.6-27b`), else the name itself (a local folder)."""
+    last = name.rstrip("/").rsplit("/", 1)[-1].lower()
+    return last if last in PRESETS and not Path(name).exists() else name
+
+
+TINY_MODEL_PREFIX = "longstraw/tiny-"
+
+
+def tiny_recipe_config(name: str, hidden_size: int):
+    """The config of the tiny random model that the recipe builds for `longstraw/tiny-<family>`
+    (`trl_longstraw.recipe.resolve_model_path`), without building it."""
+    from .testing import build_tokenizer, tiny_config
+
+    family = name[len(TINY_MODEL_PREFIX) :]
+    config = tiny_config(
+        family,
+        vocab_size=len(build_tokenizer()),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        head_dim=hidden_size // 4,
+    )
+    return config.get_text_config()
+
+
+def recipe_defaults(recipe: Recipe) -> dict:
+    """The planner's argument values that a recipe sets: model, positions (built-in tasks' `prompt_tokens`), mode,
+    prefill chunk, group size, completion length, LoRA rank and targets, gradient checkpointing, sharding."""
+    from .tasks import TASK_NAMES
+
+    s, t, m = recipe.script_args, recipe.training_args, recipe.model_args
+    out = {
+        "model": recipe_model(m.model_name_or_path),
+        "mode": t.prompt_gradient,
+        "prefill_chunk_size": t.prefill_chunk_size,
+        "group_size": t.num_generations,
+        "completion_length": t.max_completion_length,
+        "shard_prompt_state": t.shard_prompt_state,
+        "prompt_shard_group_size": t.prompt_shard_group_size,
+        "no_gradient_checkpointing": not t.gradient_checkpointing,
+        "lora_rank": m.lora_r if m.use_peft else None,
+        "offload_boundary_states": t.offload_boundary_states,
+        # Expert parallelism and FSDP2's CPU offload, where the config has them (`expert_parallel_size`,
+        # `fsdp_cpu_offload`); accelerate's own `fsdp_offload_params` lives in the accelerate config: pass --offload.
+        "cpu_offload": bool(getattr(t, "fsdp_cpu_offload", False)),
+    }
+    ep = getattr(t, "expert_parallel_size", 1) or 1
+    if ep > 1:
+        out.update(expert_parallel=True, ep_size=ep)
+    if s.dataset_name in TASK_NAMES:
+        out["positions"] = s.prompt_tokens
+    targets = m.lora_target_modules
+    if m.use_peft and targets is not None and targets != "all-linear":
+        out["lora_targets"] = [targets] if isinstance(targets, str) else list(targets)
+    return out
+
+
+def _init_kwargs(model_init_kwargs: dict | None) -> dict:
+    """The config keys of a recipe's `model_init_kwargs`: under `text_config` for Qwen3.5/3.6, else top level."""
+    kwargs = dict(model_init_kwargs or {})
+    return dict(kwargs.get("text_config") or {}) if "text_config" in kwargs else kwargs
+
+
+def apply_model_init_kwargs(config, model_init_kwargs: dict | None):
+    """A copy of the text `config` with a recipe's `model_init_kwargs` applied as `from_pretrained` applies them to
+    the config (keys that are not config attributes, such as `dtype`, are left out).
+
+    A `rope_parameters` override is laid over the config's own mapping, so that the model can still be built when
+    it drops a key such as `rope_theta`; `rope_override_refusal` reports such an override, which the recipe refuses.
+    """
+    config = copy.deepcopy(config)
+    for key, value in _init_kwargs(model_init_kwargs).items():
+        if key == "rope_parameters" and isinstance(value, dict):
+            value = {**(config.rope_parameters or {}), **value}
+        if hasattr(config, key):
+            setattr(config, key, copy.deepcopy(value))
+    return config
+
+
+def rope_override_refusal(config, model_init_kwargs: dict | None) -> str | None:
+    """The recipe's refusal of a `rope_parameters` override that drops or changes a key outside the scaling keys
+    (`trl_longstraw.recipe.check_rope_override`), checked against `config` (the preset's or local config's values);
+    None when there is none or it is fine."""
+    wanted = _init_kwargs(model_init_kwargs).get("rope_parameters")
+    if wanted is None:
+        return None
+    from .recipe import _SCALING_KEYS
+
+    original = dict(config.rope_parameters or {})
+    problems = [
+        f"{key}: model {original[key]!r}, override {wanted.get(key, '<missing>')!r}"
+        for key in sorted(set(original) - _SCALING_KEYS)
+        if key not in wanted or wanted[key] != original[key]
+    ]
+    if not problems:
+        return None
+    return (
+        "model_init_kwargs' rope_parameters replaces the checkpoint's whole mapping but differs from it outside the "
+        f"scaling keys ({'; '.join(problems)}): copy those values from the checkpoint's config.json."
+    )
+
+
+# -------------------------------------------------------------------------------------------------- refusals
+def trainer_refusals(
+    config, causal_lm: nn.Module, setup: Setup, recipe: Recipe | None = None, original_config=None
+) -> list[str]:
+    """What `LongStrawGRPOTrainer` (and the recipe) would refuse at construction for this model and setup, each as
+    the trainer's own message: prompts beyond an unscaled RoPE window, per-call RoPE it cannot pin, a sharded prompt
+    state the adapter lacks, active dropout, and with a recipe its training arguments (`trainer._check_args`, the
+    MoE router's auxiliary loss, LoRA dropout, a `rope_parameters` override that differs from `original_config`, the
+    config before the recipe's `model_init_kwargs`)."""
+    from .adapters import ADAPTERS
+    from .guards import active_dropout, check_positions
+    from .rope import rotary_modules
+
+    out = []
+    try:
+        check_positions(config, setup.positions + setup.completion_length)
+    except ValueError as e:
+        out.append(str(e))
+    try:
+        rotary_modules(causal_lm)
+    except ValueError as e:
+        out.append(str(e))
+    adapter = ADAPTERS.get(config.model_type)
+    if setup.shard_prompt_state and adapter is not None and not getattr(adapter, "shards_prompt_state", False):
+        out.append(
+            f"shard_prompt_state is not supported by the {config.model_type!r} adapter yet: set "
+            "shard_prompt_state=False (and use more GPUs or prompt_gradient='detached' for capacity)."
+        )
+    dropout = active_dropout(causal_lm)
+    if recipe is not None and recipe.model_args.use_peft and recipe.model_args.lora_dropout:
+        dropout.append(f"LoRA adapters (lora_dropout={recipe.model_args.lora_dropout:g})")
+    if dropout:
+        out.append(
+            f"dropout is active in {', '.join(dropout[:4])}: the trainer scores, replays and recomputes each token in "
+            "separate passes, each with its own dropout mask. Set attention_dropout=0.0 and lora_dropout=0."
+        )
+    if recipe is not None:
+        from .trainer import _check_args
+
+        args = recipe.training_args
+        rope = rope_override_refusal(original_config or config, args.model_init_kwargs)
+        if rope is not None:
+            out.append(rope)
+        try:
+            _check_args(args)
+        except ValueError as e:
+            out.append(str(e))
+        coef = args.router_aux_loss_coef
+        coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
+        if hasattr(config, "output_router_logits") and coef != 0.0:
+            out.append(
+                "the MoE router auxiliary loss is not supported by LongStrawGRPOTrainer (the prompt is shared by the "
+                "group, so its routing would be counted once instead of G times): set router_aux_loss_coef=0.0."
+            )
+    return out
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+def format_host(budget: Budget) -> str:
+    """The host-memory part of a budget: the offloaded items per GPU, and their total per node."""
+    u = budget.setup
+    width = max(len(i.name) for i in budget.items)
+    procs = min(u.gpus, u.gpus_per_node)
+    lines = [f"host memory per node ({procs} processes), offloaded:"]
+    for item in budget.host:
+        lines.append(f"  {item.name:<{width}}  {_size(item.nbytes * procs):>11}  {item.detail}, per GPU x {procs}")
+    total = f"  {'total':<{width}}  {_size(budget.host_per_node):>11}  "
+    total += "(not counted: the processes' own memory, e.g. libraries, CUDA context, data)"
+    lines.append(total)
+    budget_line = _size(u.host_memory) if u.host_memory is not None else "not checked (pass --host-memory)"
+    lines.append(f"  {'host memory':<{width}}  {budget_line:>11}")
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trl_longstraw.plan",
         description="Per-GPU memory budget of a LongStraw GRPO step, its verdict, and the longest prompt that fits. "
-        "Exit code 0 when it fits, 3 when it does not.",
+        "Exit code 0 when it fits, 3 when it does not, 4 when it fits but the trainer refuses the setup, 2 for an "
+        "error in the arguments (unknown preset, unsupported model).",
     )
-    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a local config.json / folder")
-    p.add_argument("--positions", required=True, type=parse_count, help="prompt length in tokens, e.g. 2.1M")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="a recipe YAML (recipes/configs/*.yaml): model, positions (prompt_tokens of the built-in tasks), mode, "
+        "prefill chunk, group size, completion length, LoRA and sharding come from it; flags override them",
+    )
+    p.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}) or a local config.json / folder")
+    p.add_argument("--positions", type=parse_count, default=None, help="prompt length in tokens, e.g. 2.1M")
     p.add_argument("--gpus", type=int, default=8, help="GPUs (one process each); default 8")
     p.add_argument("--gpu-memory", type=parse_bytes, default="96GB", help="memory per GPU, e.g. 96GB or 80GiB")
     p.add_argument("--mode", choices=["exact", "detached"], default="exact", help="prompt_gradient; default exact")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (num_generations); default 8")
     p.add_argument("--completion-length", type=parse_count, default=512, help="tokens per completion; default 512")
     p.add_argument("--prefill-chunk-size", type=parse_count, default=4096, help="default 4096")
-    p.add_argument("--shard-prompt-state", action="store_true", help="split the prompt state over the GPUs")
+    p.add_argument(
+        "--shard-prompt-state",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="split the prompt state over the GPUs",
+    )
     p.add_argument(
         "--prompt-shard-group-size",
         type=int,
@@ -820,24 +1203,74 @@ def _parser() -> argparse.ArgumentParser:
         help="mixed (default): fp32 trainable weights, gradients and AdamW states, as Accelerate's FSDP2 sets up "
         "bf16 mixed precision; bf16: everything stored in bf16",
     )
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="MoE models: split the routed experts by expert over the GPUs (transformers' expert parallelism); they "
+        "are never all-gathered",
+    )
+    p.add_argument("--ep-size", type=int, default=0, help="GPUs per expert-parallel group; default 0, all of them")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="host memory for what is cold during a step: FSDP2 CPU offload of the sharded fp32 master weights, "
+        "gradients and optimizer state, and in exact mode the recurrent chunk-boundary states "
+        "(offload_boundary_states)",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=parse_bytes,
+        default=None,
+        help="host memory per node for the offloaded items, e.g. 1TB; default: not checked",
+    )
+    p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node, for host memory; default 8")
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
+    p.set_defaults(lora_targets=None, offload_boundary_states=False, cpu_offload=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI. Returns the exit code: 0 fits, 3 does not fit, 4 fits but the trainer refuses, 2 bad arguments."""
     parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        return _main(parser, args, argv)
+    except ValueError as e:
+        # One line, no traceback: an unknown preset, an unsupported model, an unreadable recipe.
+        print(f"{parser.prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> int:
+    recipe = None
+    if args.config is not None:
+        recipe = read_recipe(args.config)
+        parser.set_defaults(**recipe_defaults(recipe))
+        args = parser.parse_args(argv)  # flags override the recipe
+    for flag in ("model", "positions"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--{flag} is required (or a --config recipe that sets it)")
     if args.prompt_shard_group_size < 0 or (args.prompt_shard_group_size and args.gpus % args.prompt_shard_group_size):
         parser.error(f"--prompt-shard-group-size must divide --gpus ({args.gpus}), or be 0 for all of them")
-    if args.model in PRESETS:
-        name = PRESETS[args.model][0]
-        config = preset_config(args.model, args.positions + args.completion_length)
+    needed = args.positions + args.completion_length
+    if args.model.lower() in PRESETS:
+        name = PRESETS[args.model.lower()][0]
+        # With a recipe, its model_init_kwargs decide the RoPE scaling, as when the trainer loads the model.
+        original = preset_config(args.model, None if recipe is not None else needed)
+    elif recipe is not None and args.model.startswith(TINY_MODEL_PREFIX):
+        original = tiny_recipe_config(args.model, recipe.script_args.tiny_hidden_size)
+        name = args.model
     else:
-        config = load_config(args.model)
+        original = load_config(args.model)
         name = Path(args.model).name
-    stats = model_stats(meta_model(config), config, lora_rank=args.lora_rank)
+    config = original
+    if recipe is not None:
+        config = apply_model_init_kwargs(original, recipe.training_args.model_init_kwargs)
+    prompt_state_bytes(config)  # refuses a model type without an adapter, naming the supported ones
+    model = meta_model(config)
+    stats = model_stats(model, config, lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     weight = 2 if args.precision == "bf16" else 4
     setup = Setup(
         positions=args.positions,
@@ -854,11 +1287,17 @@ def main(argv: list[str] | None = None) -> int:
         grad_bytes=weight,
         optimizer_bytes=2 * weight,
         headroom=args.headroom,
+        expert_parallel=args.expert_parallel,
+        ep_size=args.ep_size,
+        offload=args.offload or args.cpu_offload,
+        offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
+        gpus_per_node=args.gpus_per_node,
+        host_memory=args.host_memory,
     )
     budget = estimate(stats, setup)
+    refused = trainer_refusals(config, model, setup, recipe, original)
 
     window, native = rope_window(config)
-    needed = args.positions + args.completion_length
     if window is None:
         rope = "RoPE: no position window"
     elif rope_scaled(config):
@@ -872,7 +1311,10 @@ def main(argv: list[str] | None = None) -> int:
             else f", enough for {needed:,} positions"
         )
     lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
-    header = [
+    if args.lora_rank and args.lora_targets:
+        lora += f" on {', '.join(args.lora_targets)}"
+    header = [f"recipe: {recipe.path} (flags override it)"] if recipe is not None else []
+    header += [
         f"{name} ({config.model_type}): {_count(stats.total_params)} parameters, {_count(stats.trainable_params)} "
         f"trainable{lora}, {stats.num_layers} layers",
         f"  prompt state: {_size(stats.state_per_token)} per token + {_size(stats.state_fixed)} fixed",
@@ -880,23 +1322,43 @@ def main(argv: list[str] | None = None) -> int:
         f"run: {args.positions:,} prompt positions, {args.mode} mode, {args.group_size} x {args.completion_length:,}-"
         f"token completions, prefill chunk {args.prefill_chunk_size:,}, gradient checkpointing "
         + ("off" if args.no_gradient_checkpointing else "on"),
-        f"  {args.gpus} GPU(s) x {args.gpu_memory / 1e9:g} GB ({_size(args.gpu_memory)}), FSDP full sharding, "
-        f"{args.precision} precision, prompt "
-        "state "
+        f"  {args.gpus} GPU(s) x {args.gpu_memory / 1e9:g} GB ({_size(args.gpu_memory)}), FSDP full sharding"
+        + (f", expert parallel over {args.ep_size or args.gpus} GPUs" if args.expert_parallel else "")
+        + (", FSDP2 CPU offload" if args.offload or args.cpu_offload else "")
+        + f", {args.precision} precision, prompt state "
         + (
             f"sharded over groups of {args.prompt_shard_group_size or args.gpus} GPUs"
             if args.shard_prompt_state
-            else "not sharded"
+            else "not sharded (data-parallel mode: ranks run equal numbers of engine passes, FSDP2 gathers layer by "
+            "layer)"
         ),
         "",
     ]
     print("\n".join(header) + format_budget(budget, "per-GPU budget at the peak of a step:"))
+    if budget.host:
+        print(format_host(budget))
     longest = largest_positions(stats, setup)
     print()
-    if budget.fits:
+    if budget.fits and refused:
+        print(
+            f"verdict: REFUSED -- fits in memory ({_size(budget.peak)} of {_size(setup.gpu_memory)}), but the "
+            "trainer refuses this setup at construction:"
+        )
+        for reason in refused:
+            print(f"  - {reason}")
+    elif budget.fits:
         print(f"verdict: FITS ({_size(budget.peak)} of {_size(setup.gpu_memory)})")
-    else:
+    elif budget.peak > setup.gpu_memory:
         print(f"verdict: DOES NOT FIT (needs {_size(budget.peak)}, has {_size(setup.gpu_memory)})")
+    else:
+        print(
+            f"verdict: DOES NOT FIT in host memory (needs {_size(budget.host_per_node)} per node, has "
+            f"{_size(setup.host_memory)}; GPU {_size(budget.peak)} of {_size(setup.gpu_memory)})"
+        )
+        if refused:
+            print("the trainer would also refuse this setup at construction:")
+            for reason in refused:
+                print(f"  - {reason}")
     if longest == 0:
         print("largest prompt that fits: none -- even a 1-token prompt does not fit with these settings")
     elif longest >= MAX_POSITIONS:
@@ -910,7 +1372,13 @@ def main(argv: list[str] | None = None) -> int:
         print("to fit:")
         for s in suggestions(budget):
             print(f"  - {s}")
-    return 0 if budget.fits else 3
+    if recipe is None and hasattr(config, "output_router_logits"):
+        print(
+            "note: the trainer refuses the MoE router's auxiliary loss: set router_aux_loss_coef=0.0 (the recipes do)"
+        )
+    if not budget.fits:
+        return 3
+    return 4 if refused else 0
 
 
 if __name__ == "__main__":

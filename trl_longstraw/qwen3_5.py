@@ -21,6 +21,12 @@ last visible record (zero history and zero state if none), never writes a tensor
 `update_recurrent_state` does, which breaks backward), and emits its end-of-chunk record. The gradient flows into the
 initial conv tail and state, which are leaves in exact mode.
 
+Decoding (`generation.DecodePass`): each of the G rows of a prompt starts from the prompt's final `(conv_tail,
+state)` (batch 1, expanded, never written) and keeps its own `[G, ...]` record in the decode tail, replaced at every
+step; the step runs the per-token rule transformers decodes with (`torch_recurrent_gated_delta_rule`, or fla's fused
+recurrent kernel on CUDA when installed). The gated-attention layers read the prompt's keys and values broadcast,
+then the rows' own decoded ones, as on the generic adapter.
+
 Positions: the engine passes `[1, n]` position ids; `Qwen3_5TextModel` broadcasts 2D ids to its 3 mRoPE streams and
 the text stream exactly as it does for its own default `arange`, so text positions and rotary angles equal stock's.
 
@@ -55,12 +61,17 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 
 from .context_parallel import exchange, gather, pad_tokens
 from .engine import active_pass
-from .kv import attention_switched
+from .generation import DecodePass
+from .kv import KVTail, attention_switched
 
 try:  # flash-linear-attention (CUDA, Triton): `pip install trl_longstraw[cuda]`
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 except ImportError:  # CPU installs, or GPU installs without fla: the torch path below
     fla_chunk_gated_delta_rule = None
+try:
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule
+except ImportError:
+    fla_fused_recurrent_gated_delta_rule = None
 try:
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
 except ImportError:
@@ -188,6 +199,84 @@ def gated_delta_rule(
     return torch_gated_delta_rule(query, key, value, g, beta, initial_state)
 
 
+def torch_recurrent_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token, in fp32: the operations of stock `torch_recurrent_gated_delta_rule`,
+    which transformers runs for each decoded token, without its in-place writes (outputs are stacked).
+
+    Shapes as in `torch_gated_delta_rule`. Decoding calls it with `T = 1` per step; it never writes
+    `initial_state`, so the rows of a shared prompt can all start from the prompt's state (broadcast).
+
+    Returns:
+        The output `[B, T, Hv, Dv]` in the dtype of `query`, and the final state `[B, Hv, Dk, Dv]` in fp32.
+    """
+    out_dtype = query.dtype
+    batch, length, k_heads, k_dim = key.shape
+    v_heads, v_dim = value.shape[-2:]
+    if v_heads != k_heads:
+        query = query.repeat_interleave(v_heads // k_heads, dim=2)
+        key = key.repeat_interleave(v_heads // k_heads, dim=2)
+    # [B, H, T, ...] fp32
+    query, key, value, beta, g = (
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for x in (query, key, value, beta, g)
+    )
+    query = l2norm(query, dim=-1, eps=1e-6)
+    key = l2norm(key, dim=-1, eps=1e-6)
+    query = query / (query.shape[-1] ** 0.5)
+    if initial_state is None:
+        state = torch.zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=query.device)
+    else:
+        state = initial_state.to(torch.float32)
+    outputs = []
+    for i in range(length):
+        q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
+        state = state * g[:, :, i].exp()[..., None, None]
+        kv_mem = (state * k_t.unsqueeze(-1)).sum(dim=-2)
+        delta = (v_t - kv_mem) * beta[:, :, i].unsqueeze(-1)
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        outputs.append((state * q_t.unsqueeze(-1)).sum(dim=-2))
+    out = torch.stack(outputs, dim=1)  # [B, T, Hv, Dv]
+    return out.to(out_dtype), state
+
+
+def recurrent_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch_recurrent_gated_delta_rule`, or flash-linear-attention's fused recurrent kernel (the one transformers
+    runs for decode steps) for CUDA inputs when installed. Shapes as in `torch_gated_delta_rule`; no autograd needed.
+    """
+    if fla_fused_recurrent_gated_delta_rule is not None and query.is_cuda:
+        v_heads = value.shape[-2]
+        if key.shape[-2] != v_heads:
+            query = query.repeat_interleave(v_heads // key.shape[-2], dim=2)
+            key = key.repeat_interleave(v_heads // key.shape[-2], dim=2)
+        out, state = fla_fused_recurrent_gated_delta_rule(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            # A copy: the kernel may update its initial state in place, and decoding rows start from the prompt's.
+            initial_state=None if initial_state is None else initial_state.to(torch.float32, copy=True),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        return out, state.to(torch.float32)
+    return torch_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state)
+
+
 def torch_causal_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, history: torch.Tensor | None
 ) -> torch.Tensor:
@@ -257,6 +346,11 @@ def _gated_deltanet_forward(
 
     # Stock pads the conv with zeros on the left and starts the recurrence from zeros.
     history, initial_state = records[-1] if records else (None, None)
+    if history is not None and history.shape[0] != batch:
+        # Decoding: the G rows start from the prompt's record (batch 1), read, never written; each row's own record
+        # then replaces it in the decode tail.
+        history = history.expand(batch, -1, -1)
+        initial_state = initial_state.expand(batch, -1, -1, -1)
     if p.cp is not None:
         core = _round_core(self, p, projected, a, b, history, initial_state)
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
@@ -269,7 +363,11 @@ def _gated_deltanet_forward(
     value = value.reshape(batch, length, -1, self.head_v_dim)
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-    core, state = gated_delta_rule(query, key, value, g, beta, initial_state)
+    if isinstance(p, DecodePass):
+        # One token per row and step, as transformers decodes (its recurrent rule, not the chunked one).
+        core, state = recurrent_gated_delta_rule(query, key, value, g, beta, initial_state)
+    else:
+        core, state = gated_delta_rule(query, key, value, g, beta, initial_state)
 
     # The last `kernel - 1` conv inputs (reaching into the history for a chunk shorter than that); a copy, so that the
     # record does not keep the whole chunk's conv input alive.
@@ -386,6 +484,9 @@ class Qwen3_5Adapter:
     # grow with the prompt and are replicated on every rank of a shard group, except the exact-mode chunk boundaries,
     # which stay on their chunk's owner (see docs/distributed.md).
     shards_prompt_state = True
+    # Decoding against a sharded prompt state: attention through `sharding.sharded_decode_attention`; the recurrent
+    # records (qwen3_5) are whole on every rank after a sharded prefill.
+    decodes_sharded = True
 
     def context_parallel(self, world: int) -> bool:
         """Whether the prompt passes of a state sharded over `world` ranks can split their tokens (see
@@ -402,6 +503,13 @@ class Qwen3_5Adapter:
             )
         self.causal_lm = causal_lm
         self.deltanets = [m for m in causal_lm.modules() if isinstance(m, Qwen3_5GatedDeltaNet)]
+
+    @staticmethod
+    def decode_tail(capacity: int) -> KVTail:
+        """Storage of the decoded rows (see `generation.DecodePass`): keys and values of up to `capacity` tokens per
+        row on gated-attention layers, and each row's own `(conv_tail, state)` on DeltaNet layers, replaced at every
+        step (`KVTail.replace`)."""
+        return KVTail(capacity)
 
     @contextlib.contextmanager
     def activate(self):

@@ -246,9 +246,12 @@ def summarize(log_history: list[dict], window: int = 10) -> dict[str, float]:
 def format_summary(summary: dict, script_args: LongStrawScriptArguments, args: LongStrawGRPOConfig) -> str:
     """The end-of-run summary block printed by the recipe."""
     w = summary["window"]
+    # The prompts' measured length (`summary["prompt_tokens"]`, e.g. "211 tokens"); `prompt_tokens` sizes only the
+    # built-in tasks.
+    prompt_tokens = summary.get("prompt_tokens") or f"{script_args.prompt_tokens} tokens"
     lines = [
         "==================== trl_longstraw run summary ====================",
-        f"task                    {script_args.dataset_name}, prompts of {script_args.prompt_tokens} tokens, "
+        f"task                    {script_args.dataset_name}, prompts of {prompt_tokens}, "
         f"prefill chunks of {args.prefill_chunk_size}, prompt_gradient={args.prompt_gradient}",
         f"prompt positions        {summary['prompt_positions']:.0f} prefilled per micro-batch (each distinct prompt "
         f"once for its {args.num_generations} completions)",

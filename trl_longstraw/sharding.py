@@ -55,6 +55,7 @@ from .attention import (
     block_grads,
     prefix_merge_attention,
 )
+from .generation import DecodePass
 
 
 class PromptShards:
@@ -570,6 +571,65 @@ def sharded_prefix_attention(
     return _ShardedPrefixAttention.apply(kind, scale, shards, query, key, value, *flat)
 
 
+def sharded_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prompt: list[tuple[torch.Tensor, torch.Tensor] | None],
+    tail: list[tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    shards: PromptShards,
+) -> torch.Tensor:
+    """One decoding step of this rank's G rows over a prompt whose chunks are spread over the ranks of `shards`.
+
+    In a branch round (`shards.lengths[r]`: the rows of rank `r`), every rank's row queries are gathered and attended
+    to this rank's prompt chunks; the partial outputs and log-sum-exps go back to the rows' owners (one all-to-all)
+    and merge there by log-sum-exp with each row's attention over its own decoded tail and its step's token, which
+    stay on its rank. Without autograd (decoding). Collective: every rank of the group calls it for the same layer of
+    the same step.
+
+    Args:
+        query: `[G, Hq, 1, D]` the rows' queries of this step.
+        key, value: `[G, Hkv, 1, D]` (`Dv` for value), the step's own keys and values.
+        prompt: the visible prompt chunks `(k_i, v_i)` `[1, Hkv, S_i, D]`, None for chunks held by other ranks.
+        tail: at most one record `(k, v)` `[G, Hkv, t, D]` of the rows' earlier decoded tokens.
+        scale: softmax scale.
+
+    Returns:
+        `[G, Hq, 1, Dv]` in the dtype of `query`.
+    """
+    rows, hq, _, d = query.shape
+    hkv, dv = key.shape[1], value.shape[-1]
+    g, world, lengths = hq // hkv, shards.world, list(shards.lengths)
+    if lengths[shards.rank] != rows:
+        raise RuntimeError(f"sharded decoding: this rank decodes {rows} rows, the step declared {lengths}")
+    tmax, acc = max(lengths), _acc(query)
+    with torch.no_grad():
+        # The rows as the token axis of one query sequence: every rank's, [1, Hkv, g, W * Tmax, D].
+        q = _pad_t(query[:, :, 0].transpose(0, 1)[None], tmax, 2)  # [1, Hq, Tmax, D]
+        qall = _all_gather(q, world, shards.group)
+        qall = qall.view(world, hkv, g, tmax, d).permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, d)
+        o_loc = torch.zeros(1, hkv, g, world * tmax, dv, dtype=acc, device=query.device)
+        lse_loc = torch.full((1, hkv, g, world * tmax), float("-inf"), dtype=acc, device=query.device)
+        for record in prompt:
+            if record is not None:
+                part_out, part_lse, _ = _part_forward(None, qall, *record, scale)
+                _logaddexp_into(o_loc, lse_loc, part_out, part_lse)
+        packed = torch.cat([o_loc, lse_loc[..., None]], dim=-1).view(hkv, g, world, tmax, dv + 1)
+        received = _all_to_all(packed.permute(2, 0, 1, 3, 4), shards.group)[:, :, :, :rows]  # [W, Hkv, g, G, Dv+1]
+        received = received.permute(0, 3, 1, 2, 4)  # [W, G, Hkv, g, Dv + 1]
+        # Each row over its own tail and token, [G, Hkv, g, t + 1].
+        keys = torch.cat([*(record[0] for record in tail), key], dim=2).to(acc)
+        values = torch.cat([*(record[1] for record in tail), value], dim=2).to(acc)
+        scores = torch.einsum("bhgd,bhkd->bhgk", query[:, :, 0].reshape(rows, hkv, g, d).to(acc), keys) * scale
+        lse_self = torch.logsumexp(scores, dim=-1)
+        o_self = torch.einsum("bhgk,bhkd->bhgd", torch.exp(scores - lse_self[..., None]), values)
+        lses = torch.cat([lse_self[None], received[..., dv]])  # [W + 1, G, Hkv, g], finite: each row sees its token
+        lse = torch.logsumexp(lses, dim=0)
+        out = (torch.exp(lses - lse)[..., None] * torch.cat([o_self[None], received[..., :dv]])).sum(0)
+    return out.reshape(rows, hq, 1, dv).to(query.dtype)
+
+
 def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
     """The prompt attention of a KV layer for the active pass `p`: attends, then emits `(key, value)` as the record.
 
@@ -580,6 +640,10 @@ def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
     records = p.read(layer_idx)
     if p.shard is None:
         out = prefix_merge_attention(query, key, value, records, scale)
+    elif isinstance(p, DecodePass):
+        out = sharded_decode_attention(
+            query, key, value, p.prompt_records(layer_idx), p.tail.records(layer_idx), scale, p.shard
+        )
     else:
         out = sharded_prefix_attention(query, key, value, records, scale, p.shard)
     p.emit(layer_idx, (key, value), sharded=True)

@@ -30,9 +30,10 @@ from trl.extras.profiling import profiling_context
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import RepeatSampler, split_tensor_dict
 
-from . import guards
+from . import expert_parallel, guards
 from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
+from .distributed import fsdp2_root
 from .engine import Engine, group_prompts
 from .generation import check_generation_config, generate_shared
 from .rope import rotary_modules
@@ -81,6 +82,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         _check_args(args)
         guards.check_reward_weights(reward_funcs, args.reward_weights)
+        if args.expert_parallel_size > 1:
+            _prepare_expert_parallel(model, args)
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._check_setup()
         self._window_warned = False
@@ -89,6 +92,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._prompt_shards = self._make_prompt_shards()
         self._precomputed: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._memory_checked = False
+        # The planner's estimate of a step, from the memory guard before the first GPU step (for the model card).
+        self.memory_estimate: dict[str, int] | None = None
+        # The base model's name for the model card, when the model's config does not say it (a local folder).
+        self.base_model_name: str | None = None
         # Old-policy log-probs: armed while the generation batch is scored; the global step they belong to.
         self._defer_old_logps = False
         self._old_logps_step: int | None = None
@@ -128,6 +135,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "with `accelerate launch`."
             )
         adapter = get_adapter(_causal_lm(self.model))
+        if self.args.expert_parallel_size > 1:
+            ep, offload = self.args.expert_parallel_size, self.args.fsdp_cpu_offload
+            expert_parallel.check_loaded(_causal_lm(self.model), ep, offload)
+            if self.ref_model is not None:
+                expert_parallel.check_loaded(self.ref_model, ep, offload, role="reference model")
         guards.check_dropout(self.model, self.ref_model)
         rotary_modules(_causal_lm(self.model))  # refuses per-call RoPE that the engine cannot pin
         if self.args.shard_prompt_state and not getattr(adapter, "shards_prompt_state", False):
@@ -139,10 +151,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             get_adapter(_causal_lm(self.ref_model))
         self._shared_generation = False
         if self.args.shared_generation and not self.use_vllm and not self.use_transformers_continuous_batching:
-            if self.args.shard_prompt_state:
+            if self.args.shard_prompt_state and not getattr(adapter, "decodes_sharded", False):
                 logger.warning(
-                    "shared_generation does not decode against a sharded prompt state yet: with "
-                    "shard_prompt_state=True, generation runs through transformers' generate."
+                    f"model_type {_causal_lm(self.model).config.model_type!r} does not decode against a sharded "
+                    "prompt state yet: with shard_prompt_state=True, generation runs through transformers' generate."
                 )
             elif hasattr(adapter, "decode_tail"):
                 check_generation_config(self.generation_config)
@@ -212,10 +224,19 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             prompt_length=prompt,
             completion_length=completion,
             gpus=self.accelerator.num_processes,
-            fsdp=self.is_fsdp_enabled,
+            # FSDP2 through accelerate, or applied by transformers at load time (expert parallelism).
+            fsdp=self.is_fsdp_enabled or fsdp2_root(model) is not None,
             gpu_memory=memory[1],
         )
         guards.check_memory(budget, free)
+        self.memory_estimate = {
+            "peak": budget.peak,
+            "to_allocate": budget.to_allocate,
+            "free": free,
+            "gpu_memory": memory[1],
+            "positions": prompt,
+            "completion_length": completion,
+        }
 
     # ---------------------------------------------------------------------------------------------------- engine
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -558,6 +579,16 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             "num_iterations": self.num_iterations,
         }
 
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None) -> None:
+        """Saves the model card to `output_dir/README.md` (`trl_longstraw.card`: the base model, the LongStraw
+        method and mode, the hardware and the planner's verdict), in place of TRL's."""
+        if not self.is_world_process_zero():
+            return
+        from .card import model_card
+
+        tags = [tags] if isinstance(tags, str) else tags
+        model_card(self, model_name, dataset_name, tags).save(os.path.join(self.args.output_dir, "README.md"))
+
     def _save_rng_state(self, output_dir: str) -> None:
         """Saves, with each process's RNG state, its generation buffer and micro-step counter.
 
@@ -693,8 +724,31 @@ class EpochSampler(Sampler):
         return len(self.sampler)
 
 
+def _prepare_expert_parallel(model, args: LongStrawGRPOConfig) -> None:
+    """Before `GRPOTrainer` loads anything: checks the model against `expert_parallel_size` and sets the
+    `distributed_config` with which TRL loads the policy (given by name) and the reference model."""
+    if args.distributed_state.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ValueError(
+            "expert_parallel_size > 1: transformers shards the model at load time (FSDP2 and the experts), so "
+            "accelerate must not shard it again: launch with recipes/accelerate/expert_parallel.yaml (a plain "
+            "multi-GPU launch), not an FSDP or DeepSpeed accelerate config."
+        )
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        kwargs = args.model_init_kwargs or {}
+        remote = kwargs.get("trust_remote_code", args.trust_remote_code)
+        config = AutoConfig.from_pretrained(model, revision=kwargs.get("revision"), trust_remote_code=remote)
+        expert_parallel.check_model_config(config, args.expert_parallel_size)
+    else:
+        expert_parallel.check_loaded(_causal_lm(model), args.expert_parallel_size, args.fsdp_cpu_offload)
+    if isinstance(model, str) or args.beta != 0.0:  # what TRL loads with them: the policy by name, the reference
+        args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
+
+
 def _check_args(args: LongStrawGRPOConfig) -> None:
     """Settings that the engine cannot honour exactly. Each message names the alternative."""
+    expert_parallel.check_args(args, args.world_size)
     micro_batch, group = args.per_device_train_batch_size, _local_group_size(args)
     if args.group_shuffle and micro_batch % group and group % micro_batch:
         raise ValueError(

@@ -1,0 +1,288 @@
+"""Expert parallelism through transformers (`expert_parallel_size`): settings checks, and 2-process CPU (gloo) runs
+of a tiny glm_moe_dsa and a tiny qwen3_moe (4 experts per MoE layer, 2 per rank) with the prompt state sharded over
+both ranks, against single-process gradients of the same global batch: stock `GRPOTrainer` in exact mode, the
+single-process engine in detached mode."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from dist_worker import make_batches, trainer_config
+from ep_worker import LORA, lora_grads, set_lora_weights
+from peft import LoraConfig
+from tolerances import SHARDED_GRAD_RTOL
+from transformers import AutoModelForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw.expert_parallel import (
+    check_args,
+    check_loaded,
+    check_model_config,
+    distributed_config,
+    local_experts,
+    num_experts,
+)
+from trl_longstraw.testing import build_tokenizer, save_tiny_model, tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+# Seconds for the whole 2-process launch; ~30 s on 2 busy cores.
+LAUNCH_TIMEOUT = 300
+RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached", "ep_lora_exact"]
+FAMILIES = ["glm_moe_dsa", "qwen3_moe"]
+# Run with FSDP2's CPU offload -> the same run without it.
+OFFLOADED = {
+    "ep_exact_offload": "ep_exact",
+    "fsdp2_gathered_offload": "fsdp2_gathered",
+    "fsdp2_per_pass_offload": "fsdp2_per_pass",
+}
+# Tiny qwen3_moe: 4 experts (2 per token) in both layers, as the tiny glm_moe_dsa's MoE layers.
+QWEN3_MOE_TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.0)
+
+
+def _reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def launch(request, tiny_model_path, tmp_path_factory):
+    """Runs tests/ep_worker.py on 2 processes; returns `(model path, batches, results)`."""
+    tmp = tmp_path_factory.mktemp(f"ep-{request.param}")
+    if request.param == "qwen3_moe":
+        path = save_tiny_model(tmp / "model", "qwen3_moe", **QWEN3_MOE_TINY)
+    else:
+        path = tiny_model_path(request.param)
+    batches = make_batches(len(build_tokenizer()))
+    torch.save(batches, tmp / "batches.pt")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(ROOT / "tests" / "ep_worker.py"), str(path), str(tmp / "batches.pt"), str(tmp / "out.pt")]
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:  # a hang: the collectives did not meet
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the 2-process run did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
+    results = torch.load(tmp / "out.pt") if (tmp / "out.pt").exists() else None
+    assert proc.returncode == 0 and results is not None, f"the 2-process run failed:\n{output[-6000:]}"
+    return path, batches, results
+
+
+def _stock_batch(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "rank"}
+
+
+@pytest.fixture(scope="module")
+def reference(launch):
+    """Single-process gradients of the global micro-batch `S`: `{run: {param: grad or None}}`."""
+    path, batches, _ = launch
+    batch = _stock_batch(batches["S"])
+    settings = dict(
+        per_device_train_batch_size=4,
+        max_completion_length=9,
+        report_to=[],
+        use_cpu=True,
+        beta=0.1,
+        loss_type="dapo",
+        bf16=False,
+        num_generations=2,
+    )
+    dataset = Dataset.from_dict({"prompt": ["a"] * 8})
+
+    def grads(trainer, checkpointing: bool = False) -> dict[str, torch.Tensor | None]:
+        trainer._prepare_inputs = lambda x: x
+        trainer.current_gradient_accumulation_steps = 1
+        if checkpointing:
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            trainer.model.gradient_checkpointing_disable()
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.training_step(trainer.model, dict(batch), batch["num_items_in_batch"])
+        return {n: None if p.grad is None else p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+    stock_args = GRPOConfig(output_dir=tempfile.mkdtemp(), **settings)
+    stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset)
+    refs = {"ep_exact": grads(stock), "ep_exact_checkpointing": grads(stock, checkpointing=True)}
+    stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset, peft_config=LoraConfig(**LORA))
+    set_lora_weights(stock.model)
+    grads(stock)
+    refs["ep_lora_exact"] = lora_grads(stock.model)
+    ours = LongStrawGRPOTrainer(
+        str(path), _reward, trainer_config(tempfile.mkdtemp(), num_generations=2), train_dataset=dataset
+    )
+    ours.args.prompt_gradient = "detached"
+    refs["ep_detached"] = grads(ours)
+    return refs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
+@pytest.mark.parametrize("run", RUNS)
+def test_expert_parallel_gradients_match_single_process(launch, reference, run):
+    """Every parameter's gradient, experts included (gathered from the ranks for the comparison only), equals the
+    single-process one of the same global batch: stock GRPOTrainer's in exact mode (with and without gradient
+    checkpointing, and with LoRA adapters on the attention outputs, whose gradients the Trainer averages itself), the
+    unsharded engine's in detached mode."""
+    got, expected = launch[2][run], reference[run]
+    assert set(got) == set(expected)
+    if run == "ep_lora_exact":
+        assert expected and all(g is not None for g in expected.values())
+    else:
+        assert any(".experts." in name and g is not None for name, g in expected.items())
+    for name, ref in expected.items():
+        if ref is None:  # the DSA indexer, which runs without autograd as in stock
+            assert got[name] is None or not got[name].any(), f"{run}: {name} got a gradient, stock has none"
+            continue
+        assert got[name] is not None, f"{run}: no gradient for {name}"
+        error = ((got[name] - ref).norm() / ref.norm()).item()
+        assert error <= SHARDED_GRAD_RTOL, f"{run}: {name} relative error {error:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_experts_are_never_gathered(launch):
+    """Each rank holds 2 of the 4 experts of every MoE layer, in every forward (none gathers the EP group's experts),
+    in the reference model too; rank r's are experts 2r and 2r+1 of the model loaded whole, unchanged by training."""
+    path, _, results = launch
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    assert set(local_experts(model).values()) == {4}
+    whole = dict(model.named_parameters())
+    for rank in range(2):
+        assert results["local_experts"][rank] == dict.fromkeys(local_experts(model), 2)
+        assert results["ref_local_experts"][rank] == results["local_experts"][rank]
+        assert results["seen"][rank] == dict.fromkeys(local_experts(model), [2])
+        for name, local in results["local_weights"][rank].items():
+            torch.testing.assert_close(local, whole[name].detach()[2 * rank : 2 * rank + 2], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("run", sorted(set(RUNS) | set(OFFLOADED) | set(OFFLOADED.values())))
+def test_collectives_equal_across_ranks(launch, run):
+    """Both ranks issue the same collectives in the same order, the experts' all-to-alls included under EP."""
+    rank0, rank1 = (per_rank[run] for per_rank in launch[2]["collectives"])
+    assert rank0 == rank1
+    assert ("all_to_all_single" in {name for name, _ in rank0}) == (run.startswith("ep_") or "per_pass" in run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("run", list(OFFLOADED))
+def test_cpu_offload_gradients_identical(launch, run):
+    """FSDP2's CPUOffloadPolicy (`fsdp_cpu_offload` under expert parallelism; accelerate's `fsdp_offload_params`
+    otherwise, in the engine's gathered and per-pass modes) gives bit for bit the gradients and the collectives of
+    the same step without it."""
+    results = launch[2]
+    ours, kept = results[run], results[OFFLOADED[run]]
+    assert set(ours) == set(kept)
+    assert any(g is not None for g in kept.values())
+    for name, g in kept.items():
+        assert (g is None and ours[name] is None) or torch.equal(ours[name], g), name
+    for per_rank in results["collectives"]:
+        assert per_rank[run] == per_rank[OFFLOADED[run]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_cpu_offload_is_active(launch):
+    """Every FSDP2 parameter of the offloaded models (transformers' EP loading with `fsdp_cpu_offload`, and
+    `fully_shard` with `CPUOffloadPolicy`) is offloaded, and the local shards and their gradients are on the CPU
+    after the step (on a CPU-only machine every tensor is, so the flag is what tells the runs apart there)."""
+    for per_rank in launch[2]["offload"]:
+        assert per_rank == {"ep": True, "ep_devices": ["cpu"], "fsdp2": True, "fsdp2_devices": ["cpu"]}
+
+
+# ------------------------------------------------------------------------------------------------- settings checks
+def _args(**overrides) -> LongStrawGRPOConfig:
+    settings = dict(
+        output_dir=tempfile.mkdtemp(),
+        report_to=[],
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        expert_parallel_size=2,
+        shard_prompt_state=True,
+        save_only_model=True,
+    )
+    settings.update(overrides)
+    return LongStrawGRPOConfig(**settings)
+
+
+def test_expert_parallel_size_must_be_positive():
+    with pytest.raises(ValueError, match="expert_parallel_size=0 must be a positive"):
+        _args(expert_parallel_size=0)
+
+
+def test_fsdp_cpu_offload_without_expert_parallelism_refused():
+    """Under accelerate's FSDP2 the offload is accelerate's own setting: the message names it."""
+    with pytest.raises(ValueError, match="fsdp_offload_params: true"):
+        _args(expert_parallel_size=1, fsdp_cpu_offload=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "match"),
+    [
+        ({"expert_parallel_size": 3}, 4, "must divide the number of processes"),
+        ({"shard_prompt_state": False}, 2, "shard_prompt_state=True with prompt_shard_group_size=0"),
+        ({"prompt_shard_group_size": 2}, 4, "shard_prompt_state=True with prompt_shard_group_size=0"),
+        ({"save_only_model": False}, 2, "save_only_model=True"),
+        ({"model_init_kwargs": {"distributed_config": {"ep_size": 2}}}, 2, "remove distributed_config"),
+        ({"model_init_kwargs": {"distributed_config": distributed_config(4, 2)}}, 2, "remove distributed_config"),
+    ],
+)
+def test_check_args_refuses(overrides, world, match):
+    with pytest.raises(ValueError, match=match):
+        check_args(_args(**overrides), world)
+
+
+def test_check_args_accepts():
+    check_args(_args(), 2)
+    check_args(_args(prompt_shard_group_size=4, expert_parallel_size=2), 4)  # the group of all 4 processes
+    check_args(_args(save_only_model=False, save_strategy="no"), 2)
+    check_args(_args(model_init_kwargs={"distributed_config": distributed_config(2, 2)}), 2)  # the recipe's
+    check_args(_args(expert_parallel_size=1, shard_prompt_state=False, save_only_model=False), 2)
+
+
+def test_check_model_config():
+    vocab = len(build_tokenizer())
+    glm, qwen = tiny_config("glm_moe_dsa", vocab), tiny_config("qwen3_moe", vocab, num_experts=8)
+    assert (num_experts(glm), num_experts(qwen)) == (4, 8)
+    check_model_config(glm, 4)
+    check_model_config(qwen, 8)
+    with pytest.raises(ValueError, match="must divide the 4 experts"):
+        check_model_config(glm, 8)
+    with pytest.raises(ValueError, match="has no experts to spread"):
+        check_model_config(tiny_config("llama", vocab), 2)
+    assert distributed_config(8, 4) == {
+        "fsdp_size": 8,
+        "ep_size": 4,
+        "ep_implementation": "all_to_all",
+        "fsdp_cpu_offload": False,
+    }
+    assert distributed_config(8, 8, cpu_offload=True)["fsdp_cpu_offload"] is True
+
+
+def test_model_not_loaded_expert_parallel_refused(tiny_model_path):
+    """A model instance built without `distributed_config` cannot be spread after the fact: the message says how."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path("glm_moe_dsa"))
+    with pytest.raises(ValueError, match="was not loaded expert-parallel over 2 ranks"):
+        check_loaded(model, 2)
+
+
+def test_trainer_checks_before_loading(tiny_model_path):
+    """The trainer checks the settings against the processes before it loads anything (one process here)."""
+    with pytest.raises(ValueError, match="expert_parallel_size=2 must divide the number of processes \\(1\\)"):
+        LongStrawGRPOTrainer(
+            str(tiny_model_path("glm_moe_dsa")), _reward, _args(), train_dataset=Dataset.from_dict({"prompt": ["a"]})
+        )
