@@ -1,9 +1,17 @@
-"""The round plan of context-parallel prompt passes (`trl_longstraw.context_parallel.plan_rounds`); the passes
-themselves run on 2 processes in tests/test_distributed.py."""
+"""Context-parallel prompt passes: the round plan (`trl_longstraw.context_parallel.plan_rounds`), and the engine's
+exact-mode gradients on 2 processes in fp32 and bf16 autocast (tests/cp_worker.py). The trainer-level 2-process runs
+(gradients, logps, collectives, MLP tokens) are in tests/test_distributed.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
+from tolerances import BF16_ERROR_FACTOR, SHARDED_GRAD_RTOL
 
 from trl_longstraw.context_parallel import plan_rounds
 
@@ -35,3 +43,30 @@ def test_plan_rounds_cover_the_prefix(n, world):
     for r in rounds:
         assert len(r) in (1, world)
         assert all(0 < end - start <= 64 for start, end in r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_context_parallel_gradients_fp32_and_bf16(tiny_model_path, tmp_path, family):
+    """Exact-mode gradients of the engine with context-parallel prompt passes on 2 processes (tests/cp_worker.py):
+    in fp32 equal to one process's (SHARDED_GRAD_RTOL); under bf16 autocast, each parameter's error against the fp32
+    single process at most BF16_ERROR_FACTOR times the bf16 single process's own error."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out.pt"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(root / "tests" / "cp_worker.py"), str(tiny_model_path(family)), str(out)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=380)
+    assert result.returncode == 0 and out.exists(), (result.stdout + result.stderr)[-4000:]
+    runs = torch.load(out)
+    reference = runs["single fp32"]
+
+    def error(grads: dict, name: str) -> float:
+        return ((grads[name] - reference[name]).norm() / reference[name].norm()).item()
+
+    for name, ref in reference.items():
+        assert ref.any(), f"{name} got no gradient"
+        assert error(runs["sharded fp32"], name) <= SHARDED_GRAD_RTOL, name
+        low, ours = error(runs["single bf16"], name), error(runs["sharded bf16"], name)
+        assert 0 < ours <= BF16_ERROR_FACTOR * low, f"{name}: bf16 error {ours:.2e}, one process's {low:.2e}"
