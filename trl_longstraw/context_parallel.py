@@ -76,6 +76,8 @@ def plan_rounds(n: int, chunk_size: int, world: int) -> list[list[tuple[int, int
     return rounds
 
 
+# The exchanges of `sharding` (`_ReturnTokens`, `_GatherTokens`) without their token padding; `sharding` imports the
+# engine (through `generation`), which imports this module, so they are not shared.
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
