@@ -14,7 +14,7 @@ chunk's gradient is whole on its owner and the ranks' query gradients add up in 
 *branch round* (`PromptShards.branch_round`) each rank runs its own completion: the queries of every rank are
 gathered, each rank scores them against its own chunks, the partial outputs and log-sum-exps go back to the query
 owners (one all-to-all) and are merged there with the branch's causal part. The backward is the flash
-decomposition: the owners' `dout`, `delta = rowsum(dout * out)` and global log-sum-exp are gathered, each rank
+decomposition: the owners' queries (again), `dout`, output and global log-sum-exp are gathered, each rank
 computes the gradient of its own chunks (which thus stays on the rank that owns the record: exact mode reverses it
 there) and its share of every rank's query gradient, which an all-to-all returns to the query owners. A
 *context-parallel round* is the same exchange in which each rank also attends the queries of the ranks after it to
