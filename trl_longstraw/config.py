@@ -32,8 +32,10 @@ class LongStrawGRPOConfig(GRPOConfig):
             Spread each prompt's state over the ranks of a shard group: each rank keeps 1/W of the prompt chunks and
             attention over the prompt merges the ranks' parts. The ranks of a group must hold the same prompts in
             every micro-batch (different completions of them). State memory shrinks W times, and so does the
-            prompt attention of the prefill and reverse chunks; every attention layer of every pass exchanges
-            partial results. Gradients equal the unsharded ones up to float rounding.
+            prompt attention of the prefill and reverse passes; for llama-type models and Qwen3.5/3.6 the ranks also
+            split those passes' tokens (context parallelism: each rank runs 1/W of the prompt through every layer).
+            Every attention (and DeltaNet) layer of every pass exchanges partial results. Gradients equal the
+            unsharded ones up to float rounding.
         prompt_shard_group_size (`int`, *optional*, defaults to `0`):
             Ranks per shard group, consecutive in rank order (e.g. the GPUs of one node); `0` means all processes.
             Must divide the number of processes. Under FSDP2 only one group of all processes lets FSDP2 gather the
