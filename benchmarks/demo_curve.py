@@ -71,7 +71,7 @@ def write(runs: list[dict], out: Path, command: str) -> None:
         f"2-layer Llama, a supervised warm-up ({first['warmup']}), then GRPO on {first['prompt_tokens']}-token "
         f"needle prompts. Held-out accuracy: greedy exact match on {first['heldout_prompts']} prompts of "
         f"{first['prompt_tokens']} tokens that no phase trains on; step 0 is after the warm-up, before GRPO. "
-        "By chance: 0.1.",
+        "By chance: 0.1. Train runtime: wall time of the GRPO phase, `--jobs` seeds at a time on a shared machine.",
         "",
         "| seed | " + " | ".join(f"step {s}" for s, _ in first["heldout"]) + " | GRPO gain | train runtime |",
         "|---" * (len(first["heldout"]) + 3) + "|",

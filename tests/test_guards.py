@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import replace
 
@@ -137,6 +138,27 @@ def test_runtime_budget_counts_the_live_model(tiny_model_path):
     assert (budget.setup.mode, budget.setup.prefill_chunk_size, budget.setup.group_size) == ("detached", 5, 2)
     assert budget.setup.compute_bytes == 4
     assert budget.to_allocate == budget.peak - params * 4
+
+
+def test_runtime_budget_passes_expert_parallelism_and_offload(tiny_model_path):
+    """The guard tells the planner what the run does: experts split over `expert_parallel_size` GPUs, FSDP2's CPU
+    offload, boundary states in host memory; each lowers the device peak of a 2-GPU FSDP2 step of a tiny GLM-5."""
+    trainer = make_trainer(tiny_model_path("glm_moe_dsa"), prefill_chunk_size=5, router_aux_loss_coef=0.0)
+    args = copy.copy(trainer.args)
+
+    def budget(offload: bool = False, **overrides):
+        for key, value in overrides.items():
+            setattr(args, key, value)
+        return guards.runtime_budget(trainer.model, args, 13, 4, gpus=2, fsdp=True, gpu_memory=10**9, offload=offload)
+
+    plain = budget()
+    assert (plain.setup.expert_parallel, plain.setup.ep_size, plain.setup.offload) == (False, 0, False)
+    ep = budget(expert_parallel_size=2)
+    assert (ep.setup.expert_parallel, ep.setup.ep_size) == (True, 2)
+    assert ep.peak < plain.peak
+    offloaded = budget(expert_parallel_size=1, offload=True)
+    assert offloaded.setup.offload and offloaded.peak < plain.peak
+    assert budget(offload_boundary_states=True).setup.offload_boundary_states
 
 
 def test_trainer_memory_guard_stops_the_first_step(tiny_model_path, monkeypatch):

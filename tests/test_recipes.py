@@ -74,9 +74,13 @@ def test_every_config_parses_and_starts_with_its_launch_line(path):
 def test_long_configs_cover_their_positions(path):
     mapping = yaml.safe_load(path.read_text())
     script_args, training_args, model_args = parse_recipe_config(path)
-    # FSDP2, with CPU offload where the config needs the host memory (its header quotes the planner's --offload).
+    # FSDP2, with CPU offload where the config needs the host memory (its header quotes the planner's --offload);
+    # expert parallelism launches without accelerate's sharding, as transformers shards the model.
     offload = "--offload" in path.read_text()
     accelerate = "fsdp2_offload.yaml" if offload else "fsdp2.yaml"
+    if training_args.expert_parallel_size > 1:
+        accelerate = "expert_parallel.yaml"
+        assert training_args.save_only_model
     assert f"--config_file recipes/accelerate/{accelerate}" in launch_command(path.read_text())
     assert mapping["bf16"] is True and training_args.gradient_checkpointing
     assert training_args.gradient_checkpointing_kwargs == {"use_reentrant": False}

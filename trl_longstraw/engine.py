@@ -525,11 +525,12 @@ class Engine:
         """Exact mode: back-propagates the gradient accumulated on the records through the prompt, last chunk first.
 
         Each chunk is recomputed with autograd; its records are freed once consumed, so the state shrinks as the pass
-        goes. Afterwards the state is spent and is not kept. Sharded, every rank recomputes every chunk and first
-        receives the recurrent records at the chunk's start from their owner (one broadcast per chunk and dtype).
+        goes. Afterwards the state is spent and is not kept. Sharded, every rank takes part in every pass (a chunk
+        that every rank recomputes, or a context-parallel round in which each recomputes its own chunk) and first
+        receives the recurrent records at the pass's start from their owner (one broadcast per pass and dtype).
 
-        Returns the number of chunks recomputed (chunks whose records received no gradient are skipped, unless
-        sharded).
+        Returns the number of passes run: chunks recomputed (chunks whose records received no gradient are skipped,
+        unless sharded), context-parallel rounds counting one each.
         """
         t0 = time.perf_counter()
         ran = 0

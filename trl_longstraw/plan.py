@@ -1192,7 +1192,7 @@ def trainer_refusals(
         if rope is not None:
             out.append(rope)
         try:
-            _check_args(args)
+            _check_args(args, world_size=setup.gpus)
         except ValueError as e:
             out.append(str(e))
         coef = args.router_aux_loss_coef

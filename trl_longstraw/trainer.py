@@ -33,7 +33,7 @@ from trl.trainer.utils import RepeatSampler, split_tensor_dict
 from . import expert_parallel, guards
 from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
-from .distributed import fsdp2_root
+from .distributed import fsdp2_offloads, fsdp2_root
 from .engine import Engine, group_prompts
 from .generation import check_generation_config, generate_shared
 from .rope import rotary_modules
@@ -161,6 +161,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     f"model_type {_causal_lm(self.model).config.model_type!r} does not decode against a sharded "
                     "prompt state yet: with shard_prompt_state=True, generation runs through transformers' generate."
                 )
+            elif self.args.expert_parallel_size > 1:
+                # The experts' all-to-alls need every rank to decode the same number of steps, which transformers'
+                # generate arranges for a model it sharded (synced_gpus); the shared-prompt decoding's lockstep is not
+                # tested with an expert-parallel model yet.
+                logger.warning(
+                    "shared_generation is not supported with expert_parallel_size > 1 yet: generation runs through "
+                    "transformers' generate (synced_gpus)."
+                )
             elif hasattr(adapter, "decode_tail") and self.is_fsdp_enabled and not self._generation_in_lockstep():
                 logger.warning(
                     "under FSDP, transformers' generate runs every process in lockstep (synced_gpus), which shared-"
@@ -252,6 +260,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             # FSDP2 through accelerate, or applied by transformers at load time (expert parallelism).
             fsdp=self.is_fsdp_enabled or fsdp2_root(model) is not None,
             gpu_memory=memory[1],
+            offload=fsdp2_offloads(model),
         )
         guards.check_memory(budget, free)
         self.memory_estimate = {
@@ -803,9 +812,13 @@ def _prepare_expert_parallel(model, args: LongStrawGRPOConfig) -> None:
         args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
 
 
-def _check_args(args: LongStrawGRPOConfig) -> None:
-    """Settings that the engine cannot honour exactly. Each message names the alternative."""
-    expert_parallel.check_args(args, args.world_size)
+def _check_args(args: LongStrawGRPOConfig, world_size: int | None = None) -> None:
+    """Settings that the engine cannot honour exactly. Each message names the alternative.
+
+    `world_size`: the processes of the run (default: this launch's, `args.world_size`; the planner passes its GPUs).
+    """
+    world_size = args.world_size if world_size is None else world_size
+    expert_parallel.check_args(args, world_size)
     micro_batch, group = args.per_device_train_batch_size, _local_group_size(args)
     if args.group_shuffle and micro_batch % group and group % micro_batch:
         raise ValueError(
@@ -815,7 +828,7 @@ def _check_args(args: LongStrawGRPOConfig) -> None:
             f"steps_per_generation={args.steps_per_generation}). Make per_device_train_batch_size a multiple or a "
             "divisor of num_generations, or set group_shuffle=False."
         )
-    if args.on_nonfinite == "skip" and args.world_size > 1:
+    if args.on_nonfinite == "skip" and world_size > 1:
         raise ValueError(
             "on_nonfinite='skip' is supported in single-process runs only: skipping the last micro-batch of an "
             "accumulation window on every process would leave the window's gradients unsynchronized. Use "

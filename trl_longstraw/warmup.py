@@ -4,7 +4,7 @@ A random model cannot find the needle by RL alone within a demo: GRPO learns onl
 happen to be right, and a random policy answers the needle's digit 1 time in 10 by chance, with no retrieval circuit
 to reinforce. So the demo (`recipes/grpo_long.py` with no arguments) first runs `supervised_warmup`: a few dozen
 cross-entropy steps on the answers of *short* prompts of the same task, where a retrieval circuit forms quickly. That
-circuit carries over to the demo's long prompts only in part (held-out accuracy 0.2 to 0.4 there, see
+circuit carries over to the demo's long prompts only in part (held-out accuracy 0.18 to 0.43 there, see
 benchmarks/DEMO.md), and GRPO on the long prompts then raises it: `HeldOutAccuracy` measures it during the run,
 greedily, on prompts the run never trains on.
 """
