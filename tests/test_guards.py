@@ -193,6 +193,28 @@ def test_trainer_memory_guard_checks_once_and_lets_fitting_runs_through(tiny_mod
     assert any(p.grad is not None for p in trainer.model.parameters())
 
 
+def test_trainer_memory_guard_runs_before_the_first_generation(tiny_model_path, monkeypatch):
+    """With a training dataset, the guard checks the dataset's longest prompt before generating (the planner's step
+    includes the decode tail), and sets what is left free as the engines' hold budget."""
+    from grpo_pair import generation_inputs, make_pair
+
+    free = []
+    monkeypatch.setattr(guards, "device_free_memory", lambda device: (free[-1], 80 * 10**9))
+    _, ours = make_pair(tiny_model_path("llama"), prompts=["a b c d e f g", "h i"], max_completion_length=4)
+    generated = []
+    ours._generate_and_score_completions = lambda inputs: generated.append(inputs)
+    free.append(1024)
+    with pytest.raises(ValueError, match="only 1.00 KiB is free"):
+        ours.training_step(ours.model, generation_inputs(["h i"], 3), None)
+    assert not generated
+    _, ours = make_pair(tiny_model_path("llama"), prompts=["a b c d e f g", "h i"], max_completion_length=4)
+    free.append(10**12)
+    budget = guards.runtime_budget(ours.model, ours.args, 7, 4, gpus=1, fsdp=False, gpu_memory=80 * 10**9)
+    ours._check_memory(ours.model, 7, 4)
+    assert ours.memory_estimate["positions"] == 7
+    assert ours._hold_budget == 10**12 - budget.to_allocate
+
+
 def test_trainer_memory_guard_can_be_disabled(tiny_model_path, monkeypatch):
     monkeypatch.setattr(guards, "device_free_memory", lambda device: (1024, 80 * 10**9))
     trainer = make_trainer(tiny_model_path("llama"), prefill_chunk_size=5, memory_guard=False)
