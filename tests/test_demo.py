@@ -161,3 +161,18 @@ def test_demo_curve_writes_table_curves_and_plot(tmp_path):
     assert "| 1 | 0.500 | 0.500 | 0.625 | +0.125 | 42 s |" in table
     assert json.loads((tmp_path / "DEMO.json").read_text())["runs"][1]["heldout"][-1] == [20, 0.625]
     assert (tmp_path / "plots" / "demo_accuracy.png").stat().st_size > 0
+
+
+def test_heldout_accuracy_through_a_run_and_its_resumption(tmp_path, monkeypatch):
+    """A 2-step run with a warm-up and the held-out accuracy at every step, saving each step, then resumed to step 3:
+    the accuracy is logged at steps 0, 1, 2 and, after resuming, 3 only (no second step 0), and the resumed run
+    does not warm up again (its weights come from the checkpoint)."""
+    from tests.test_cli import small
+    from trl_longstraw import cli
+
+    heldout = ["--warmup_sft_steps", "2", "--heldout_prompts", "8", "--heldout_steps", "1"]
+    first = cli.train(*cli.parse(small(tmp_path, *heldout, "--max_steps", "2", "--save_strategy", "steps")))
+    assert [h["step"] for h in first.state.log_history if ACCURACY_KEY in h] == [0, 1, 2]
+    monkeypatch.setattr(cli, "warm_up", lambda *args, **kwargs: pytest.fail("the resumed run warmed up again"))
+    resumed = cli.train(*cli.parse(small(tmp_path, *heldout, "--max_steps", "3", "--resume_from_checkpoint", "true")))
+    assert [h["step"] for h in resumed.state.log_history if ACCURACY_KEY in h] == [0, 1, 2, 3]
