@@ -220,3 +220,27 @@ def test_prediction_step_evaluates(tiny_model_path):
     loss, _, _ = ours.prediction_step(ours.model, dict(mb), prediction_loss_only=True)
     assert abs(float(loss) - float(ref_loss)) <= LOSS_ATOL
     assert all(p.grad is None for p in ours.model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_reverse_pass_reuses_attention_in_checkpoint_recompute(tiny_model_path, family, monkeypatch):
+    """Exact mode under gradient checkpointing: the reverse pass's recompute takes each attention layer's kept output
+    instead of attending again; the loss and every gradient are bitwise those of recomputing it, with fewer fused
+    attention forwards."""
+    from trl_longstraw import attention, engine
+
+    path = tiny_model_path(family)
+    ours = make_trainer(path, prefill_chunk_size=CHUNK, prefill_progress=False, gradient_checkpointing=True)
+    calls = []
+    forward = attention._kernel_forward
+    monkeypatch.setattr(attention, "_kernel_forward", lambda *a: calls.append(1) or forward(*a))
+    mb = micro_batch(seed=3)
+    losses, grads = run_steps(ours, [mb])
+    reused = len(calls)
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(engine.Pass, "attention_reuse", lambda self, layer_idx: None)
+        ref_losses, ref_grads = run_steps(ours, [mb])
+    assert 0 < reused < len(calls)
+    assert losses == ref_losses
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)

@@ -97,6 +97,19 @@ class Pass:
         # Reverse pass: layer -> records computed with autograd. Set to None after the forward, so that a gradient
         # checkpointing recompute during backward does not capture again.
         self.sink: dict[int, tuple[torch.Tensor, ...]] | None = None
+        # Reverse pass under gradient checkpointing: layer -> what its attention keeps for the checkpoint's recompute
+        # (`attention.prefix_merge_attention`'s `reuse`); None elsewhere.
+        self.reuse: dict[int, dict] | None = None
+
+    def attention_reuse(self, layer_idx: int) -> dict | None:
+        """The `reuse` slot of this layer's prompt attention: filled by the reverse pass's forward (while `sink` is
+        set), emptied by gradient checkpointing's recompute during the backward."""
+        if self.reuse is None:
+            return None
+        slot = self.reuse.setdefault(layer_idx, {})
+        if self.sink is not None:  # the forward fills an empty slot
+            return None if slot else slot
+        return slot or None  # the recompute takes a filled one
 
     def read(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
         """The records of chunks `[0, visible)` of this layer."""
@@ -560,6 +573,9 @@ class Engine:
                     start, end, cp = self._declare(c, bounds)
                     p = Pass(state, visible=c, shard=self.shards, cp=cp)
                     p.sink = {}
+                    if self._backbone().is_gradient_checkpointing:
+                        # The recompute of each layer takes its attention's output instead of attending again.
+                        p.reuse = {}
                     with use_pass(p), torch.enable_grad():
                         with self.autocast():
                             hidden = self._backbone()(

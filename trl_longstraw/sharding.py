@@ -639,7 +639,7 @@ def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
     query, key, value = autocast_inputs(query, key, value)
     records = p.read(layer_idx)
     if p.shard is None:
-        out = prefix_merge_attention(query, key, value, records, scale)
+        out = prefix_merge_attention(query, key, value, records, scale, reuse=p.attention_reuse(layer_idx))
     elif isinstance(p, DecodePass):
         out = sharded_decode_attention(
             query, key, value, p.prompt_records(layer_idx), p.tail.records(layer_idx), scale, p.shard
