@@ -713,7 +713,7 @@ class Engine:
         """
         if self.lockstep:
             work = [(g, rs, passes(g, rs)) for g, rs in zip(groups, rows, strict=True) if rs]
-            pinned = int(bool(work) and self._kept is not None and _key(work[0][0]) == self._kept[0])
+            pinned = int(bool(work) and _key(work[0][0]) in self._held)
             work[pinned:] = sorted(work[pinned:], key=lambda item: sum(item[2]))
             agreed = agree_pass_counts([counts for _, _, counts in work], len(lengths), device)
             work = [(g, rs) for g, rs, _ in work]
