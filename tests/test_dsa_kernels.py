@@ -173,3 +173,31 @@ def test_glm_through_kernels_matches_stock_and_reference_gradients(tiny_model_pa
     monkeypatch.setattr(dk, "ON_CPU", False)
     _, ref_grads = _step(trainer, mb)
     _assert_same_grads(grads, ref_grads)
+
+
+@pytest.mark.slow
+def test_decoding_through_the_kernels_equals_generate(tiny_model_path, monkeypatch):
+    """Shared-prompt greedy decoding of a tiny glm_moe_dsa with the kernels serving the selection and the sparse
+    attention (prompt records and the rows' tails as parts) follows `generate` step by step."""
+    from test_generation import assert_same_steps, stock_and_ours
+
+    from tests.grpo_pair import make_pair
+
+    _, ours = make_pair(
+        tiny_model_path(FAMILY), generation_kwargs={"do_sample": False}, longstraw={"prefill_chunk_size": 3}
+    )
+    monkeypatch.setattr(dk, "ON_CPU", True)
+    launches = []
+    select, attention = dk.select_topk, dk.SparseLatentAttention
+
+    class CountedAttention(attention):
+        @staticmethod
+        def forward(ctx, *args):
+            launches.append("attention")
+            return attention.forward(ctx, *args)
+
+    monkeypatch.setattr(dk, "select_topk", lambda *args: launches.append("select") or select(*args))
+    monkeypatch.setattr(dk, "SparseLatentAttention", CountedAttention)
+    steps = stock_and_ours(ours, "a b c d e f g h i j k", pad=3, rows=2, max_new_tokens=5, do_sample=False)
+    assert_same_steps(*steps)
+    assert {"select", "attention"} <= set(launches), "the kernels served the decoding"

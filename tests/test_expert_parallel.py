@@ -11,9 +11,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from datasets import Dataset
 from dist_worker import make_batches, trainer_config
 from ep_worker import LORA, lora_grads, set_lora_weights
@@ -32,6 +34,7 @@ from trl_longstraw.expert_parallel import (
     num_experts,
 )
 from trl_longstraw.testing import build_tokenizer, save_tiny_model, tiny_config
+from trl_longstraw.trainer import _prepare_expert_parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds for the whole 2-process launch; ~30 s on 2 busy cores.
@@ -85,7 +88,7 @@ def _stock_batch(batch: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(launch):
-    """Single-process gradients of the global micro-batch `S`: `{run: {param: grad or None}}`."""
+    """Single-process gradients of the same global micro-batches: `{run: {param: grad or None}}`."""
     path, batches, _ = launch
     settings = dict(
         per_device_train_batch_size=4,
@@ -114,7 +117,7 @@ def reference(launch):
     stock_args = GRPOConfig(output_dir=tempfile.mkdtemp(), **settings)
     stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset)
     refs = {"ep_exact": grads(stock), "ep_exact_checkpointing": grads(stock, checkpointing=True)}
-    refs["ep_dp_exact"] = grads(stock, key="B")
+    refs["ep_dp_exact"] = grads(stock, key="A")
     stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset, peft_config=LoraConfig(**LORA))
     set_lora_weights(stock.model)
     grads(stock)
@@ -172,15 +175,21 @@ def test_experts_are_never_gathered(launch):
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("run", sorted(set(RUNS) | set(OFFLOADED) | set(OFFLOADED.values())))
 def test_collectives_equal_across_ranks(launch, run):
-    """Both ranks issue the same collectives in the same order; all-to-alls (the sharded state's) exactly when the
-    prompt state is sharded. transformers binds the experts' `all_to_all_single` at import, so the counting wrapper
-    does not see those: `test_experts_are_never_gathered` and the gradients show the experts exchange tokens."""
-    rank0, rank1 = (per_rank[run] for per_rank in launch[2]["collectives"])
+    """Both ranks issue the same collectives in the same order, the experts' all-to-alls (of counts, tokens forward
+    and token gradients backward) included under EP; those carry each rank's own number of routed tokens, so only
+    their order is compared, the other collectives' shapes too."""
+
+    def calls(per_rank):
+        return [(name, None if name.startswith("ep_") else shapes) for name, shapes in per_rank[run]]
+
+    rank0, rank1 = (calls(per_rank) for per_rank in launch[2]["collectives"])
     assert rank0 == rank1
-    sharded = (run.startswith("ep_") and not run.startswith("ep_dp")) or "per_pass" in run
-    assert ("all_to_all_single" in {name for name, _ in rank0}) == sharded
-    if not sharded:  # data parallelism: FSDP2 gathers layer by layer in the engine's data-parallel lockstep
-        assert "all_gather_single" in {name for name, _ in rank0}
+    names = {name for name, _ in rank0}
+    assert (
+        {"ep_all_to_all_single", "ep_all_to_all_single_autograd"} <= names
+        if run.startswith("ep_")
+        else (not any(name.startswith("ep_") for name in names))
+    )
 
 
 @pytest.mark.slow
@@ -207,7 +216,13 @@ def test_cpu_offload_is_active(launch):
     `fully_shard` with `CPUOffloadPolicy`) is offloaded, and the local shards and their gradients are on the CPU
     after the step (on a CPU-only machine every tensor is, so the flag is what tells the runs apart there)."""
     for per_rank in launch[2]["offload"]:
-        assert per_rank == {"ep": True, "ep_devices": ["cpu"], "fsdp2": True, "fsdp2_devices": ["cpu"]}
+        assert per_rank == {
+            "detected": (True, False),
+            "ep": True,
+            "ep_devices": ["cpu"],
+            "fsdp2": True,
+            "fsdp2_devices": ["cpu"],
+        }
 
 
 # ------------------------------------------------------------------------------------------------- settings checks
@@ -241,7 +256,7 @@ def test_fsdp_cpu_offload_without_expert_parallelism_refused():
     ("overrides", "world", "match"),
     [
         ({"expert_parallel_size": 3}, 4, "must divide the number of processes"),
-        ({"prompt_shard_group_size": 2}, 4, "set prompt_shard_group_size=0"),
+        ({"prompt_shard_group_size": 2}, 4, "shard groups of 2 of the 4 processes"),
         ({"save_only_model": False}, 2, "save_only_model=True"),
         ({"model_init_kwargs": {"distributed_config": {"ep_size": 2}}}, 2, "remove distributed_config"),
         ({"model_init_kwargs": {"distributed_config": distributed_config(4, 2)}}, 2, "remove distributed_config"),
@@ -256,9 +271,9 @@ def test_check_args_accepts():
     check_args(_args(), 2)
     check_args(_args(prompt_shard_group_size=4, expert_parallel_size=2), 4)  # the group of all 4 processes
     check_args(_args(save_only_model=False, save_strategy="no"), 2)
+    check_args(_args(shard_prompt_state=False), 2)  # the data-parallel lockstep
     check_args(_args(model_init_kwargs={"distributed_config": distributed_config(2, 2)}), 2)  # the recipe's
     check_args(_args(expert_parallel_size=1, shard_prompt_state=False, save_only_model=False), 2)
-    check_args(_args(shard_prompt_state=False), 2)  # data parallelism: the engine's data-parallel lockstep
     check_args(_args(shard_prompt_state=False, prompt_shard_group_size=2), 4)  # groups unused without sharding
 
 
@@ -294,3 +309,32 @@ def test_trainer_checks_before_loading(tiny_model_path):
         LongStrawGRPOTrainer(
             str(tiny_model_path("glm_moe_dsa")), _reward, _args(), train_dataset=Dataset.from_dict({"prompt": ["a"]})
         )
+
+
+@pytest.mark.parametrize("kind", [DistributedType.FSDP, DistributedType.DEEPSPEED])
+def test_accelerate_sharding_refused(kind):
+    """transformers shards an expert-parallel model as it loads it: an accelerate config that would shard it again is
+    refused before anything is loaded, naming the launch config to use."""
+    args = SimpleNamespace(distributed_state=SimpleNamespace(distributed_type=kind))
+    with pytest.raises(ValueError, match="recipes/accelerate/expert_parallel.yaml"):
+        _prepare_expert_parallel("unused", args)
+
+
+def test_model_init_kwargs_for_trl(tiny_model_path):
+    """TRL loads the policy given by name, and the reference model, with `args.model_init_kwargs`: the trainer adds
+    the distributed_config to them (and checks the model's experts first); a policy instance with beta = 0 needs
+    none."""
+    args = SimpleNamespace(
+        distributed_state=SimpleNamespace(distributed_type=DistributedType.MULTI_GPU),
+        model_init_kwargs={"dtype": "float32"},
+        trust_remote_code=False,
+        expert_parallel_size=2,
+        fsdp_cpu_offload=False,
+        world_size=4,
+        beta=0.0,
+    )
+    _prepare_expert_parallel(str(tiny_model_path("glm_moe_dsa")), args)
+    assert args.model_init_kwargs == {"dtype": "float32", "distributed_config": distributed_config(4, 2)}
+    args.expert_parallel_size = 8
+    with pytest.raises(ValueError, match="must divide the 4 experts"):
+        _prepare_expert_parallel(str(tiny_model_path("glm_moe_dsa")), args)

@@ -139,7 +139,12 @@ def check_generation_config(config: GenerationConfig) -> None:
 
 
 def shared_prompt_decoder(
-    engine: Engine, prompt: torch.Tensor, longest: int | None = None, rows_per_rank: list[int] | None = None
+    engine: Engine,
+    prompt: torch.Tensor,
+    longest: int | None = None,
+    rows_per_rank: list[int] | None = None,
+    offer: bool = False,
+    boundaries: bool = False,
 ) -> Callable:
     """A `custom_generate` callable for `model.generate` that decodes rows which all hold `prompt`.
 
@@ -153,6 +158,10 @@ def shared_prompt_decoder(
             of the shard group, which decode in lockstep: every step is a branch round of those rows, and the ranks
             step until every rank's rows are done (a rank whose rows finished early appends padding, as stock does
             after EOS, which `trim_after_eos` drops).
+        offer: hand the prompt state to the engine's next loss pass (`Engine.offer`), which then does not prefill
+            this prompt again while the weights are unchanged. Its positions start at 0, as a loss-pass row whose
+            prompt has no left padding.
+        boundaries: prefill with the recurrent chunk boundaries (an offer to an exact-mode loss pass).
     """
     longest = longest or prompt.shape[0]
     shards = engine.shards
@@ -189,8 +198,11 @@ def shared_prompt_decoder(
         has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
         unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
         # Positions as generate derives them from the attention mask: the first real prompt token is at 0.
+        group = PromptGroup(tokens=prompt, pad=0, rows=list(range(rows)))
         with engine.rope.pinned(longest):
-            state = engine.prefill(PromptGroup(tokens=prompt, pad=0, rows=list(range(rows))))
+            state = engine.prefill(group, boundaries=boundaries)
+        if offer:
+            engine.offer(group, state)
         tail = engine.adapter.decode_tail(generation_config.max_length - width)
         step_ids = prompt[-1:].expand(rows)
         position = prompt.shape[0] - 1
@@ -261,6 +273,7 @@ def generate_shared(
     eos_token_ids: list[int],
     pad_to_multiple_of: int | None,
     device: torch.device,
+    offer_boundaries: bool | None = None,
 ) -> list[list[int]]:
     """Completions of `prompt_ids` (one list of token ids per row), one `generate` call per distinct prompt.
 
@@ -273,6 +286,9 @@ def generate_shared(
         model: the model `generate` is called on (unwrapped, PEFT adapters active).
         engine: the engine of that model.
         generation_config: the trainer's generation config; checked with `check_generation_config`.
+        offer_boundaries: unless None, the state of every prompt that the loss pass runs at the same positions (one
+            without left padding in the batch) is offered to it (`Engine.offer`), prefilled with chunk boundaries if
+            True (exact mode). Shorter prompts are prefilled again by the loss pass, at their padded positions.
     Returns:
         Per row, the generated ids up to and including the first EOS.
     """
@@ -301,7 +317,15 @@ def generate_shared(
     most_steps = -1
     for (tokens, rows), counts in zip(items, rows_per_rank, strict=True):
         engine.rope.restore(start)
-        decoder = shared_prompt_decoder(engine, torch.tensor(tokens, device=device), longest, counts)
+        offer = offer_boundaries is not None and len(tokens) == padded.shape[1]
+        decoder = shared_prompt_decoder(
+            engine,
+            torch.tensor(tokens, device=device),
+            longest,
+            counts,
+            offer=offer,
+            boundaries=bool(offer_boundaries),
+        )
         out = model.generate(
             input_ids=padded[rows], attention_mask=mask[rows], generation_config=config, custom_generate=decoder
         )

@@ -297,8 +297,9 @@ def peak_memory_gib() -> tuple[str, float]:
 
 def summarize(log_history: list[dict], window: int = 10) -> dict[str, float]:
     """Summary of a run from `trainer.state.log_history`: mean reward (and exact-match accuracy, if logged) of the
-    first and last `window` logged steps, the mean prompt positions prefilled per micro-batch, and the first and last
-    held-out accuracy with their steps (`heldout_first_step`, `heldout_first`, ...), if logged.
+    first and last `window` logged steps, the mean prompt positions prefilled per micro-batch (by its loss pass, or by
+    generation when the loss pass took generation's state), and the first and last held-out accuracy with their steps
+    (`heldout_first_step`, `heldout_first`, ...), if logged.
 
     Raises:
         ValueError: if no logged step holds a reward.
@@ -307,6 +308,7 @@ def summarize(log_history: list[dict], window: int = 10) -> dict[str, float]:
     if not steps:
         raise ValueError("the run logged no reward: set logging_steps so that at least one step is logged.")
     window = max(1, min(window, len(steps) // 2))
+    reused = any("longstraw/prompt_positions_reused" in h for h in steps)
 
     def mean(key: str, rows: list[dict]) -> float:
         values = [r[key] for r in rows if key in r]
@@ -317,7 +319,8 @@ def summarize(log_history: list[dict], window: int = 10) -> dict[str, float]:
         "window": window,
         "reward_first": mean("reward", steps[:window]),
         "reward_last": mean("reward", steps[-window:]),
-        "prompt_positions": mean("longstraw/prompt_positions", steps),
+        "prompt_positions": mean("longstraw/prompt_positions", steps)
+        + (mean("longstraw/prompt_positions_reused", steps) if reused else 0.0),
     }
     accuracy_key = "rewards/exact_match_reward/mean"
     if any(accuracy_key in r for r in steps):
