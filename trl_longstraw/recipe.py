@@ -297,8 +297,9 @@ def peak_memory_gib() -> tuple[str, float]:
 
 def summarize(log_history: list[dict], window: int = 10) -> dict[str, float]:
     """Summary of a run from `trainer.state.log_history`: mean reward (and exact-match accuracy, if logged) of the
-    first and last `window` logged steps, and the mean prompt positions prefilled per micro-batch (by its loss pass,
-    or by generation when the loss pass took generation's state).
+    first and last `window` logged steps, the mean prompt positions prefilled per micro-batch (by its loss pass, or by
+    generation when the loss pass took generation's state), and the first and last held-out accuracy with their steps
+    (`heldout_first_step`, `heldout_first`, ...), if logged.
 
     Raises:
         ValueError: if no logged step holds a reward.
