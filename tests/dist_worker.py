@@ -6,9 +6,10 @@ runs these scenarios on them:
 
 - `ddp_exact`: DDP, exact mode, micro-batch `A` under `no_sync` (gradient accumulation), then `B` synchronized;
 - `ddp_detached`: DDP, detached mode, `B`;
-- `fsdp2_exact`: `fully_shard` on every decoder layer and the root, exact mode, `A` under
-  `set_requires_gradient_sync(False)`, then `B`: the ranks run different work, so the engine's data-parallel
-  lockstep pads their passes to equal counts and FSDP2 gathers and frees each layer pass by pass;
+- `fsdp2_exact`: `fully_shard` on every decoder layer and the root, exact mode with non-reentrant gradient
+  checkpointing, `A` under `set_requires_gradient_sync(False)`, then `B`: the ranks run different work, so the
+  engine's data-parallel lockstep pads their passes to equal counts and FSDP2 gathers and frees each layer pass by
+  pass;
 - `fsdp2_detached`: the same model, detached mode, `B`;
 - `sharded_exact` / `sharded_detached`: DDP with the prompt state sharded over both ranks, micro-batch `S` (the
   ranks hold the same prompts, different completions); `sharded_exact` with non-reentrant gradient checkpointing;
@@ -576,9 +577,12 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         start = len(log)
         fsdp.zero_grad(set_to_none=True)
         gathered.clear()
+        if mode == "exact":  # as the recipes run FSDP2: recomputed layers are gathered again by FSDP2
+            fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for i, key in enumerate(micro_batches):
             fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
             step(fsdp, batches[key], mode)
+        fsdp.gradient_checkpointing_disable()
         results[name] = full_grads(fsdp)
         results["collectives"][name] = log[start:]
         results["gathered"][name] = most_gathered()

@@ -5,7 +5,8 @@ the MoE model itself with `expert_parallel_size=2` (transformers' `DistributedCo
 ep_implementation="all_to_all")`: 2 of the 4 experts of each MoE layer per rank, everything else under FSDP2), with
 the prompt state sharded over both ranks, and runs micro-batch `S` of `dist_worker.make_batches` (both ranks hold the
 same prompts, different completions) in exact mode (also with non-reentrant gradient checkpointing) and in detached
-mode.
+mode; then, without the sharded state (data parallelism: the engine's data-parallel lockstep), micro-batch `B` (the
+ranks hold different prompts, chunks and completions) in exact and detached mode (`ep_dp_*`).
 
 Rank 0 writes to `OUT`: the full parameter gradients of each run (gathered from the DTensors), how many experts each
 expert module held in every forward on each rank, each rank's local expert weights after training (to compare with
@@ -119,6 +120,20 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results[name] = full_grads()
         results["collectives"][name] = log[start:]
         assert all(isinstance(p, DTensor) for p in model.parameters()), "parameters left unsharded"
+    # Data parallelism (no sharded state: each rank its own prompts), micro-batch `B` (different prompts, chunks and
+    # completions per rank): the engine's data-parallel lockstep runs the same passes on every rank.
+    shards, trainer._prompt_shards = trainer._prompt_shards, None
+    trainer._engines.clear()
+    model.gradient_checkpointing_disable()
+    for name, mode in [("ep_dp_exact", "exact"), ("ep_dp_detached", "detached")]:
+        trainer.args.prompt_gradient = mode
+        model.zero_grad(set_to_none=True)
+        start = len(log)
+        trainer.training_step(model, rows_of(batches["B"], rank), batches["B"]["num_items_in_batch"])
+        results[name] = full_grads()
+        results["collectives"][name] = log[start:]
+    trainer._prompt_shards = shards
+    trainer._engines.clear()
 
     # LoRA on the attention output projections of the expert-parallel model: the adapters are plain tensors beside the
     # DTensors, which transformers' Trainer broadcasts and averages itself (`_sync_replicated_trainable_parameters`,
@@ -175,8 +190,8 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
 
     # FSDP2 as accelerate applies it (`fully_shard` on every decoder layer and the root; on CPU accelerate would turn
     # an FSDP config into DDP), with and without `CPUOffloadPolicy` (accelerate's `fsdp_offload_params: true`), in
-    # both engine modes: gathered (the prompt state unsharded, micro-batch `A` of uneven work) and per pass (the
-    # prompt state sharded over both ranks, `S`).
+    # both lockstep modes, layer by layer: data-parallel (the prompt state unsharded, micro-batch `A` of uneven work)
+    # and sharded (the prompt state sharded over both ranks, `S`).
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
@@ -192,7 +207,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
             fully_shard(layer, mesh=mesh, **policy)
         fully_shard(fsdp, mesh=mesh, **policy)
         tag = "_offload" if offload else ""
-        for mode, key, sharded in [("gathered", "A", False), ("per_pass", "S", True)]:
+        for mode, key, sharded in [("data_parallel", "A", False), ("per_pass", "S", True)]:
             trainer._prompt_shards = shards if sharded else None
             trainer._engines.clear()
             trainer.args.prompt_gradient = "exact"

@@ -86,6 +86,24 @@ def test_select_topk_kernel_ties_go_to_the_earlier_key_and_nan_raises(monkeypatc
         dk.select_topk(q, weights, keys, query_start=4, topk=2, scale=1.0)
 
 
+@pytest.mark.parametrize("integer", [False, True], ids=["distinct", "ties"])
+def test_decode_selection_kernel_matches_reference(monkeypatch, integer):
+    """A decoding step of 3 rows: the kernels' selection (row by row over the prompt's chunks and the row's tail)
+    equals `decode_select_topk`'s PyTorch path."""
+    _small_tiles(monkeypatch)
+    q, weights, keys = _random_selection_inputs(3, [3, 5, 2, 3], integer)
+    tails = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(1))
+    tails = tails.round() if integer else tails
+    monkeypatch.setattr(dk, "ON_CPU", False)
+    expected = glm.decode_select_topk(q, weights, keys[:-1], tails, 4, 0.5)
+    monkeypatch.setattr(dk, "ON_CPU", True)
+    calls, select = [], dk.select_topk
+    monkeypatch.setattr(dk, "select_topk", lambda *args: calls.append(1) or select(*args))
+    got = glm.decode_select_topk(q, weights, keys[:-1], tails, 4, 0.5)
+    assert len(calls) == 3, "the kernels ran, one launch per row"
+    assert torch.equal(_sorted(got), _sorted(expected))
+
+
 # ----------------------------------------------------------------------------------------------- sparse attention
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, ATTN_ATOL_FP32), (torch.bfloat16, ATTN_ATOL_BF16)])
 def test_sparse_attention_kernel_matches_reference(monkeypatch, dtype, atol):

@@ -1,7 +1,7 @@
 """Expert parallelism through transformers (`expert_parallel_size`): settings checks, and 2-process CPU (gloo) runs
 of a tiny glm_moe_dsa and a tiny qwen3_moe (4 experts per MoE layer, 2 per rank) with the prompt state sharded over
-both ranks, against single-process gradients of the same global batch: stock `GRPOTrainer` in exact mode, the
-single-process engine in detached mode."""
+both ranks, and in data parallelism (no sharded state, different prompts per rank), against single-process gradients
+of the same global batch: stock `GRPOTrainer` in exact mode, the single-process engine in detached mode."""
 
 from __future__ import annotations
 
@@ -36,12 +36,12 @@ from trl_longstraw.testing import build_tokenizer, save_tiny_model, tiny_config
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds for the whole 2-process launch; ~30 s on 2 busy cores.
 LAUNCH_TIMEOUT = 300
-RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached", "ep_lora_exact"]
+RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached", "ep_lora_exact", "ep_dp_exact", "ep_dp_detached"]
 FAMILIES = ["glm_moe_dsa", "qwen3_moe"]
 # Run with FSDP2's CPU offload -> the same run without it.
 OFFLOADED = {
     "ep_exact_offload": "ep_exact",
-    "fsdp2_gathered_offload": "fsdp2_gathered",
+    "fsdp2_data_parallel_offload": "fsdp2_data_parallel",
     "fsdp2_per_pass_offload": "fsdp2_per_pass",
 }
 # Tiny qwen3_moe: 4 experts (2 per token) in both layers, as the tiny glm_moe_dsa's MoE layers.
@@ -87,7 +87,6 @@ def _stock_batch(batch: dict) -> dict:
 def reference(launch):
     """Single-process gradients of the global micro-batch `S`: `{run: {param: grad or None}}`."""
     path, batches, _ = launch
-    batch = _stock_batch(batches["S"])
     settings = dict(
         per_device_train_batch_size=4,
         max_completion_length=9,
@@ -100,7 +99,7 @@ def reference(launch):
     )
     dataset = Dataset.from_dict({"prompt": ["a"] * 8})
 
-    def grads(trainer, checkpointing: bool = False) -> dict[str, torch.Tensor | None]:
+    def grads(trainer, checkpointing: bool = False, key: str = "S") -> dict[str, torch.Tensor | None]:
         trainer._prepare_inputs = lambda x: x
         trainer.current_gradient_accumulation_steps = 1
         if checkpointing:
@@ -108,12 +107,14 @@ def reference(launch):
         else:
             trainer.model.gradient_checkpointing_disable()
         trainer.model.zero_grad(set_to_none=True)
-        trainer.training_step(trainer.model, dict(batch), batch["num_items_in_batch"])
+        batch = _stock_batch(batches[key])
+        trainer.training_step(trainer.model, batch, batch["num_items_in_batch"])
         return {n: None if p.grad is None else p.grad.clone() for n, p in trainer.model.named_parameters()}
 
     stock_args = GRPOConfig(output_dir=tempfile.mkdtemp(), **settings)
     stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset)
     refs = {"ep_exact": grads(stock), "ep_exact_checkpointing": grads(stock, checkpointing=True)}
+    refs["ep_dp_exact"] = grads(stock, key="B")
     stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset, peft_config=LoraConfig(**LORA))
     set_lora_weights(stock.model)
     grads(stock)
@@ -123,6 +124,7 @@ def reference(launch):
     )
     ours.args.prompt_gradient = "detached"
     refs["ep_detached"] = grads(ours)
+    refs["ep_dp_detached"] = grads(ours, key="B")
     return refs
 
 
@@ -170,10 +172,15 @@ def test_experts_are_never_gathered(launch):
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("run", sorted(set(RUNS) | set(OFFLOADED) | set(OFFLOADED.values())))
 def test_collectives_equal_across_ranks(launch, run):
-    """Both ranks issue the same collectives in the same order, the experts' all-to-alls included under EP."""
+    """Both ranks issue the same collectives in the same order; all-to-alls (the sharded state's) exactly when the
+    prompt state is sharded. transformers binds the experts' `all_to_all_single` at import, so the counting wrapper
+    does not see those: `test_experts_are_never_gathered` and the gradients show the experts exchange tokens."""
     rank0, rank1 = (per_rank[run] for per_rank in launch[2]["collectives"])
     assert rank0 == rank1
-    assert ("all_to_all_single" in {name for name, _ in rank0}) == (run.startswith("ep_") or "per_pass" in run)
+    sharded = (run.startswith("ep_") and not run.startswith("ep_dp")) or "per_pass" in run
+    assert ("all_to_all_single" in {name for name, _ in rank0}) == sharded
+    if not sharded:  # data parallelism: FSDP2 gathers layer by layer in the engine's data-parallel lockstep
+        assert "all_gather_single" in {name for name, _ in rank0}
 
 
 @pytest.mark.slow
@@ -181,8 +188,8 @@ def test_collectives_equal_across_ranks(launch, run):
 @pytest.mark.parametrize("run", list(OFFLOADED))
 def test_cpu_offload_gradients_identical(launch, run):
     """FSDP2's CPUOffloadPolicy (`fsdp_cpu_offload` under expert parallelism; accelerate's `fsdp_offload_params`
-    otherwise, in the engine's gathered and per-pass modes) gives bit for bit the gradients and the collectives of
-    the same step without it."""
+    otherwise, in the engine's data-parallel and sharded lockstep) gives bit for bit the gradients and the collectives
+    of the same step without it."""
     results = launch[2]
     ours, kept = results[run], results[OFFLOADED[run]]
     assert set(ours) == set(kept)
@@ -234,8 +241,7 @@ def test_fsdp_cpu_offload_without_expert_parallelism_refused():
     ("overrides", "world", "match"),
     [
         ({"expert_parallel_size": 3}, 4, "must divide the number of processes"),
-        ({"shard_prompt_state": False}, 2, "shard_prompt_state=True with prompt_shard_group_size=0"),
-        ({"prompt_shard_group_size": 2}, 4, "shard_prompt_state=True with prompt_shard_group_size=0"),
+        ({"prompt_shard_group_size": 2}, 4, "set prompt_shard_group_size=0"),
         ({"save_only_model": False}, 2, "save_only_model=True"),
         ({"model_init_kwargs": {"distributed_config": {"ep_size": 2}}}, 2, "remove distributed_config"),
         ({"model_init_kwargs": {"distributed_config": distributed_config(4, 2)}}, 2, "remove distributed_config"),
@@ -252,6 +258,8 @@ def test_check_args_accepts():
     check_args(_args(save_only_model=False, save_strategy="no"), 2)
     check_args(_args(model_init_kwargs={"distributed_config": distributed_config(2, 2)}), 2)  # the recipe's
     check_args(_args(expert_parallel_size=1, shard_prompt_state=False, save_only_model=False), 2)
+    check_args(_args(shard_prompt_state=False), 2)  # data parallelism: the engine's data-parallel lockstep
+    check_args(_args(shard_prompt_state=False, prompt_shard_group_size=2), 4)  # groups unused without sharding
 
 
 def test_check_model_config():

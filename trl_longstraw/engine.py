@@ -596,8 +596,9 @@ class Engine:
                 return
             with self.autocast():
                 hidden = self._backbone()(input_ids=ids, position_ids=ids, use_cache=False).last_hidden_state
-        if kind == REVERSE:
-            torch.autograd.backward(hidden, torch.zeros_like(hidden))
+            if kind == REVERSE:
+                # Inside the pass and the adapter: gradient checkpointing recomputes the layers during backward.
+                torch.autograd.backward(hidden, torch.zeros_like(hidden))
 
     def _pad(self, slot: Slot, kind: int, done: int, device, backward_fn=None) -> None:
         """Data-parallel lockstep: fillers that bring the `done` passes of `kind` this rank ran for `slot` to the

@@ -16,11 +16,14 @@ library's, maintained with the models; the engine only has to run the model's la
 accept.
 
 How it fits the engine's passes. The experts' all-to-alls are collectives of the EP group inside every MoE layer's
-forward and backward, so every rank of an EP group must run the same passes in the same order. The sharded prompt
-state over all processes (`shard_prompt_state=True`, `prompt_shard_group_size: 0`) gives exactly that lockstep: every
-rank runs every prefill and reverse chunk, and branches in rounds (a rank short of completions runs a zero-weight
-one-token branch). It also makes FSDP2 gather the other parameters layer by layer (`distributed.fsdp2_gathered`
-with `per_pass`), so no rank ever holds the whole model. Both are required.
+forward and backward, so every rank of an EP group must run the same passes in the same order. Two settings give that
+lockstep. The sharded prompt state over all processes (`shard_prompt_state=True`, `prompt_shard_group_size: 0`):
+every rank runs every prefill and reverse chunk, and branches in rounds (a rank short of completions runs a
+zero-weight one-token branch). Or no sharded state (data parallelism, each rank its own prompts): the engine's
+data-parallel lockstep agrees on the number of passes of each kind per prompt and pads with one-token filler passes
+(`Engine.lockstep`); an all-to-all exchanges whatever tokens each rank routes. Either also makes FSDP2 gather the other
+parameters layer by layer (`distributed.fsdp2_gathered` with `per_pass`), so no rank ever holds the whole model.
+Shard groups smaller than the world run different passes and are refused.
 
 - *Replicated passes* (prefill and reverse chunks): every rank sends the same chunk tokens to the experts, so an
   expert's rank computes them once per rank of the group (the token-wise compute of these passes is replicated
@@ -81,9 +84,9 @@ def check_args(args, world_size: int) -> None:
     """The settings expert parallelism needs, before anything is loaded. `args` is a `LongStrawGRPOConfig`.
 
     Raises:
-        ValueError: naming the fix, when the EP size does not divide the processes, the prompt state is not sharded
-            over all of them (the lockstep the experts' collectives need), or checkpoints would need the optimizer
-            state.
+        ValueError: naming the fix, when the EP size does not divide the processes, the prompt state is sharded over
+            groups smaller than the world (which run different passes, where the experts' collectives need the same
+            ones), or checkpoints would need the optimizer state.
     """
     ep = args.expert_parallel_size
     if ep <= 1:
@@ -94,11 +97,12 @@ def check_args(args, world_size: int) -> None:
             f"(8), or all {world_size} processes."
         )
     group = args.prompt_shard_group_size
-    if not args.shard_prompt_state or group not in (0, world_size):
+    if args.shard_prompt_state and group not in (0, world_size):
         raise ValueError(
             "expert_parallel_size > 1 needs every rank to run the same passes in the same order (the experts' "
-            "all-to-alls are collectives inside every MoE layer): set shard_prompt_state=True with "
-            "prompt_shard_group_size=0 (one shard group of all processes)."
+            f"all-to-alls are collectives inside every MoE layer), which shard groups of {group} of {world_size} "
+            "processes do not: set prompt_shard_group_size=0 (one shard group of all processes), or "
+            "shard_prompt_state=False (data parallelism, whose ranks agree on equal pass counts)."
         )
     if args.save_strategy != "no" and not args.save_only_model:
         raise ValueError(

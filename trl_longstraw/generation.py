@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 from transformers.generation import GenerationMode
 from trl.trainer.utils import pad
 
+from .distributed import fsdp2_gathered
 from .engine import Engine, Pass, PromptGroup, PromptState, use_pass
 
 SUPPORTED_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
@@ -169,13 +170,20 @@ def shared_prompt_decoder(
         **model_kwargs,
     ) -> torch.LongTensor:
         """Mirrors `GenerationMixin._sample` (no streamer, no dict output). `input_ids` `[G, P]` -> `[G, P + T]`."""
-        if synced_gpus:
+        if synced_gpus and not (shards is not None and shards.world == dist.get_world_size()):
             raise ValueError(
-                "shared-prompt generation does not run in lockstep across processes (FSDP or ZeRO-3 generation "
-                "needs synced_gpus): set shared_generation=False in LongStrawGRPOConfig."
+                "shared-prompt generation runs in lockstep across processes (as FSDP generation needs, synced_gpus) "
+                "only with the prompt state sharded over every process: set shard_prompt_state=True with "
+                "prompt_shard_group_size=0, or shared_generation=False in LongStrawGRPOConfig."
             )
         if streamer is not None:
             raise ValueError("shared-prompt generation does not stream: remove the streamer.")
+        # Under FSDP2 (then in lockstep: synced_gpus) the root's own parameters stay gathered, as the prefill calls
+        # the backbone, and the layers gather pass by pass.
+        with fsdp2_gathered(engine.model, per_pass=True):
+            return _decode(input_ids, logits_processor, stopping_criteria, generation_config)
+
+    def _decode(input_ids, logits_processor, stopping_criteria, generation_config: GenerationConfig):
         rows, width = input_ids.shape
         pad_token_id = generation_config._pad_token_tensor
         has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)

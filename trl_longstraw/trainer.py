@@ -156,6 +156,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     f"model_type {_causal_lm(self.model).config.model_type!r} does not decode against a sharded "
                     "prompt state yet: with shard_prompt_state=True, generation runs through transformers' generate."
                 )
+            elif hasattr(adapter, "decode_tail") and self.is_fsdp_enabled and not self._generation_in_lockstep():
+                logger.warning(
+                    "under FSDP, transformers' generate runs every process in lockstep (synced_gpus), which shared-"
+                    "prompt generation does only with the prompt state sharded over every process "
+                    "(shard_prompt_state=True, prompt_shard_group_size=0): generation runs through transformers' "
+                    "generate."
+                )
             elif hasattr(adapter, "decode_tail"):
                 check_generation_config(self.generation_config)
                 self._shared_generation = True
@@ -164,6 +171,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     f"model_type {_causal_lm(self.model).config.model_type!r} has no shared-prompt decoding yet: "
                     "generation runs through transformers' generate, which prefills each prompt G times."
                 )
+
+    def _generation_in_lockstep(self) -> bool:
+        """Whether every process decodes in one lockstep (a single process, or the prompt state sharded over all)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return True
+        return self._prompt_shards is not None and self._prompt_shards.world == dist.get_world_size()
 
     def _check_dataset(self) -> None:
         """The training dataset's prompt column, and its longest prompts against the model's RoPE window.
