@@ -109,8 +109,20 @@ def _emit(record: dict) -> None:
     print("RESULT " + json.dumps(record), flush=True)
 
 
-def build_trainer(impl: str, model_path: str, g: int, c: int, chunk: int, grad_ckpt: bool, dtype: str):
-    """A trainer of `impl` on the saved model, set up to call `training_step` on hand-built micro-batches."""
+def build_trainer(
+    impl: str,
+    model_path: str,
+    g: int,
+    c: int,
+    chunk: int,
+    grad_ckpt: bool,
+    dtype: str,
+    rows_per_step: int | None = None,
+):
+    """A trainer of `impl` on the saved model, set up to call `training_step` on hand-built micro-batches.
+
+    `rows_per_step` (default `g`) is `per_device_train_batch_size`; below `g`, gradient accumulation covers the group
+    (`gradient_accumulation_steps = g / rows_per_step`), as a stock user sets it to bring memory down."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -119,7 +131,8 @@ def build_trainer(impl: str, model_path: str, g: int, c: int, chunk: int, grad_c
 
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="bench_"),
-        per_device_train_batch_size=g,
+        per_device_train_batch_size=rows_per_step or g,
+        gradient_accumulation_steps=g // (rows_per_step or g),
         num_generations=g,
         max_completion_length=c,
         report_to=[],

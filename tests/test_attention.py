@@ -229,3 +229,41 @@ def test_prefix_of_batch_one_is_shared_by_every_row(impl):
     expanded = [(pk.expand(3, -1, -1, -1), pv.expand(3, -1, -1, -1)) for pk, pv in prefix]
     out = prefix_merge_attention(q, k, v, prefix, 0.3)
     torch.testing.assert_close(out, reference_attention(q, k, v, expanded, 0.3), atol=ATTN_ATOL_FP32, rtol=0)
+
+
+def test_reuse_in_checkpoint_recompute_is_exact(monkeypatch):
+    """Under non-reentrant gradient checkpointing, the recompute takes the kept output and log-sum-exp instead of
+    attending again (the exact-mode reverse pass's `reuse`): the same output and bitwise the same gradients of the
+    queries, keys, values and every prefix chunk, with half the kernel forwards."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, prefix = make_inputs(1, 4, 2, 7, [5, 1, 13])
+    grad_out = torch.randn(1, 4, 7, 8, generator=torch.Generator().manual_seed(1))
+    calls = []
+    forward = attention._kernel_forward
+    monkeypatch.setattr(attention, "_kernel_forward", lambda *a: calls.append(1) or forward(*a))
+
+    def layer(reuse):
+        def fn(q, k, v, prefix, scale):
+            flat = [x for kv in prefix for x in kv]
+
+            def body(q, k, v, *flat):
+                # Work before and after the attention, as in a decoder layer, so the recompute has inputs to redo.
+                slot = None if reuse is None else (reuse if not reuse or body.ran else None)
+                body.ran = True
+                pairs = list(zip(flat[0::2], flat[1::2], strict=True))
+                return prefix_merge_attention(q * 2, k.exp(), v, pairs, scale, reuse=slot).tanh()
+
+            body.ran = False
+            return checkpoint(body, q, k, v, *flat, use_reentrant=False)
+
+        return fn
+
+    out_ref, grads_ref, _ = run(layer(None), q, k, v, prefix, grad_out)
+    plain = len(calls)
+    calls.clear()
+    reuse = {}
+    out, grads, _ = run(layer(reuse), q, k, v, prefix, grad_out)
+    assert len(calls) * 2 == plain and reuse == {}
+    assert torch.equal(out, out_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref, strict=True))

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import bench_limit  # noqa: E402
 import bench_step  # noqa: E402
 import gpu_check  # noqa: E402
 
@@ -122,6 +123,24 @@ def test_bench_step_tiny_sweep(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_whole_step_tiny(tmp_path):
+    """A tiny whole step (generation + loss) per implementation: both phases measured, ours' loss pass takes
+    generation's prompt state (llama decodes against it), and the report states the generation-peak target."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_whole_step.py"), "--family", "llama", "--P", "300"]
+    cmd += ["--G", "2", "--C", "8", "--chunk", "64", "--impls", "stock,detached", "--timeout", "300"]
+    proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raw = json.loads((tmp_path / "whole_step.json").read_text())
+    by_impl = {r["impl"]: r for r in raw["records"]}
+    assert set(by_impl) == {"stock", "detached"} and all(r["status"] == "ok" for r in raw["records"]), raw
+    for r in raw["records"]:
+        assert r["generation_time_s"] > 0 and r["loss_time_s"] > 0 and r["peak_bytes"] > r["rss_before"]
+    assert by_impl["detached"]["prompt_positions"] == 0 and by_impl["detached"]["prompt_positions_reused"] == 299
+    text = (tmp_path / "WHOLE_STEP.md").read_text()
+    assert "| 300 | detached |" in text and "Target: ours' generation peak" in text
+
+
+@pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
     """benchmarks/gpu_check.sh end to end with tiny widths on CPU: every stage records its figures, and the bf16
     stage's end-to-end comparisons meet the mixed-precision criterion."""
@@ -203,3 +222,55 @@ def test_bench_sharded_end_to_end(tmp_path):
     assert by_setup["sharded x2"]["mlp_tokens"] <= 0.55 * by_setup["1 process"]["mlp_tokens"]
     assert all(r["time_s"] > 0 and r["cpu_s"] > 0 and r["reverse_s"] > 0 for r in records)
     assert "| 385 | sharded x2 |" in out.read_text()
+
+
+def test_bench_limit_rows_of_cuts_each_completion_to_its_length():
+    """Stock's best setting runs one row per training_step, each without completion padding, the group's token
+    count kept for the loss normalisation."""
+    mb = bench_step.micro_batch(5, 3, 4, 50, "cpu", "ragged")
+    rows = bench_limit.rows_of(mb)
+    lengths = bench_step.completion_lengths(3, 4, "ragged")
+    assert [r["completion_ids"].shape for r in rows] == [(1, n) for n in lengths]
+    for r, row in enumerate(rows):
+        assert row["prompt_ids"].shape == (1, 5) and bool(row["completion_mask"].all())
+        assert row["completion_ids"].tolist()[0] == mb["completion_ids"][r, : lengths[r]].tolist()
+        assert row["num_items_in_batch"] == sum(lengths) and row["advantages"].shape == (1,)
+
+
+def test_bench_limit_verdicts_use_this_runs_records():
+    def rec(impl, completions, cpu, growth):
+        return dict(impl=impl, completions=completions, status="ok", cpu_s=cpu, time_s=cpu, growth_bytes=growth)
+
+    records = {
+        ("limit", "none"): rec("limit", "none", 10.0, 1),
+        ("exact", "full"): rec("exact", "full", 44.0, 10),
+        ("detached", "full"): rec("detached", "full", 14.0, 5),
+        ("stock_best", "full"): rec("stock_best", "full", 200.0, 100),
+    }
+    lines = bench_limit.verdicts(records, "full")
+    assert lines[0] == "- detached time / limit time: 1.400 (target <= 1.3): NOT MET"
+    assert lines[1] == "- exact time / limit time: 4.400 (target <= 4.5): MET"
+    assert lines[2] == "- exact step growth / stock best step growth: 0.100 (target <= 0.125): MET"
+    assert lines[3] == "- exact time / stock best time: 0.220 (target <= 0.25): MET"
+    assert "not measured" in bench_limit.verdicts(records, "ragged")[1]
+
+
+@pytest.mark.slow
+def test_bench_limit_tiny_run(tmp_path):
+    """bench_limit.py at tiny sizes: the limit, ours and stock's best each measured in its own process, the ratios
+    and the issue's targets written to LIMIT.md."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_limit.py"), "--family", "llama", "--P", "128"]
+    cmd += ["--G", "2", "--C", "8", "--completions", "ragged", "--skip", "stock", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), "OMP_NUM_THREADS": "1"}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raw = json.loads((tmp_path / "LIMIT.json").read_text())
+    assert [(r["impl"], r["completions"]) for r in raw["records"]] == [
+        ("limit", "none"),
+        ("exact", "ragged"),
+        ("detached", "ragged"),
+        ("stock_best", "ragged"),
+    ]
+    assert all(r["status"] == "ok" and r["cpu_s"] > 0 and r["growth_bytes"] > 0 for r in raw["records"]), raw
+    text = (tmp_path / "LIMIT.md").read_text()
+    assert "| stock_best |" in text and "exact time / limit time:" in text and "not measured" not in text
+    assert "the run took" in text and "python benchmarks/bench_limit.py --family llama" in text

@@ -128,6 +128,30 @@ def test_planned_state_equals_the_engine_state(tiny_model_path):
         assert _item(budget, "prompt state gradient") == (state.nbytes() if mode == "exact" else 0)
 
 
+def test_planned_decode_tail_equals_the_decoder_tail(tiny_model_path):
+    """The planner's decode tail is what shared-prompt generation allocates for G rows of C tokens."""
+    from transformers import GenerationConfig
+
+    from trl_longstraw.adapters import get_adapter
+    from trl_longstraw.engine import Engine
+    from trl_longstraw.generation import generate_shared
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path("llama"))
+    engine = Engine(model, model, get_adapter(model), chunk_size=5)
+    tails = []
+    make_tail = engine.adapter.decode_tail
+    engine.adapter.decode_tail = lambda capacity: tails.append(make_tail(capacity)) or tails[-1]
+    group, completion = 3, 6
+    config = GenerationConfig(max_new_tokens=completion, min_new_tokens=completion, do_sample=False)
+    prompt = torch.randint(3, model.config.vocab_size, (13,)).tolist()
+    generate_shared(model, engine, [prompt] * group, config, 0, [1], None, torch.device("cpu"))
+    (tail,) = tails
+    allocated = sum(t.numel() * t.element_size() for buffers in tail.buffers.values() for t in buffers)
+    stats = model_stats(model, state_dtype_bytes=4)
+    budget = estimate(stats, Setup(positions=13, completion_length=completion, group_size=group, gpus=1))
+    assert _item(budget, "decode tail") == allocated > 0
+
+
 def test_unsupported_model_type_lists_supported():
     from transformers import GPT2Config
 

@@ -266,11 +266,28 @@ class _KernelPrefixMergeAttention(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
-    def forward(ctx, kind: str, scale: float, shards, q, k, v, *prefix):
+    def forward(ctx, kind: str, scale: float, shards, reuse: dict | None, q, k, v, *prefix):
+        q = q.contiguous()
+        if reuse:
+            # Gradient checkpointing's recompute of the call that filled `reuse`: the same inputs give the same
+            # output, log-sum-exp and kernel extras, so they are taken instead of attending again.
+            out, lse, extras = reuse.pop("out"), reuse.pop("lse"), reuse.pop("extras")
+            if out.shape[:3] != q.shape[:3]:
+                raise RuntimeError(f"attention reuse: kept output {tuple(out.shape)} for queries {tuple(q.shape)}")
+        else:
+            out, lse, extras = _KernelPrefixMergeAttention.attend(kind, scale, shards, q, k, v, prefix)
+            if reuse is not None:
+                reuse.update(out=out.detach(), lse=lse, extras=extras)
+        ctx.kind, ctx.scale, ctx.extras, ctx.shards = kind, scale, extras, shards
+        ctx.save_for_backward(q, k, v, out, lse, *prefix)
+        return out
+
+    @staticmethod
+    def attend(kind: str, scale: float, shards, q, k, v, prefix):
+        """The forward's work: `(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] fp32, the kernel extras per part)`."""
         b, hq, t, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
-        q = q.contiguous()
         qf = q.view(b, hkv, g * t, d)
         out = torch.zeros(b, hq, t, v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((b, hq, t), float("-inf"), dtype=torch.float32, device=q.device)
@@ -296,10 +313,7 @@ class _KernelPrefixMergeAttention(torch.autograd.Function):
         part_out, part_lse, extra = _kernel_forward(kind, q, ke, ve, True, scale)
         merge(part_out.float(), part_lse)
         extras.append(extra)
-        out = out.to(q.dtype)
-        ctx.kind, ctx.scale, ctx.extras, ctx.shards = kind, scale, extras, shards
-        ctx.save_for_backward(q, k, v, out, lse, *prefix)
-        return out
+        return out.to(q.dtype), lse, extras
 
     @staticmethod
     @autocast_off
@@ -317,7 +331,7 @@ class _KernelPrefixMergeAttention(torch.autograd.Function):
         lse_f = lse.view(b, hkv, g * t)
         prefix_grads = []
         for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
-            need = ctx.needs_input_grad[6 + 2 * i] or ctx.needs_input_grad[7 + 2 * i]
+            need = ctx.needs_input_grad[7 + 2 * i] or ctx.needs_input_grad[8 + 2 * i]
             if pk.shape[2] == 0:
                 prefix_grads += [torch.zeros_like(pk), torch.zeros_like(pv)] if need else [None, None]
                 continue
@@ -332,7 +346,7 @@ class _KernelPrefixMergeAttention(torch.autograd.Function):
         dq += dq_self
         dk = dke.reshape(b, hkv, g, t, -1).sum(2, dtype=torch.float32).to(k.dtype)
         dv = dve.reshape(b, hkv, g, t, -1).sum(2, dtype=torch.float32).to(v.dtype)
-        return None, None, None, dq.to(q.dtype), dk, dv, *prefix_grads
+        return None, None, None, None, dq.to(q.dtype), dk, dv, *prefix_grads
 
 
 def prefix_merge_attention(
@@ -342,6 +356,7 @@ def prefix_merge_attention(
     prefix: list[tuple[torch.Tensor, torch.Tensor]],
     scale: float,
     shards=None,
+    reuse: dict | None = None,
 ) -> torch.Tensor:
     """Attention of `query` over `prefix` (all visible) and causally over its own `key`/`value`.
 
@@ -354,6 +369,10 @@ def prefix_merge_attention(
         shards: a `sharding.PromptShards` in a replicated pass of a sharded prompt state: every rank runs the same
             queries, `prefix` holds this rank's chunks, and the ranks' prefix parts merge across the group
             (collective). The backward then takes `grad` as this rank's share of the loss gradient.
+        reuse: an empty dict for a forward that gradient checkpointing will recompute (the exact-mode reverse pass):
+            the fused-kernel path keeps its output and log-sum-exp there, and the recompute, called with the same dict,
+            takes them instead of attending again (the portable path ignores it). Exact: the recompute's inputs are
+            those of the first call, as checkpointing requires.
 
     Returns:
         `[B, Hq, T, Dv]` in the dtype of `query`.
@@ -365,7 +384,7 @@ def prefix_merge_attention(
     # A prefix of batch 1 shared by B query rows (shared-prompt decoding, batched scoring) broadcasts in the portable
     # path's einsums; the fused kernels would need it copied B times.
     if kind is not None and all(x.shape[0] == query.shape[0] for x in flat):
-        return _KernelPrefixMergeAttention.apply(kind, scale, shards, query, key, value, *flat)
+        return _KernelPrefixMergeAttention.apply(kind, scale, shards, reuse, query, key, value, *flat)
     return _PrefixMergeAttention.apply(scale, shards, query, key, value, *flat)
 
 

@@ -622,9 +622,10 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     A step holds the weights, gradients and optimizer state (sharded under FSDP, plus the all-gathered root module
     and two layers, current and prefetched), the prompt state of one prompt (exact mode: also its gradient, and the
     fixed part of the state once per chunk boundary, as the reverse pass restarts from each; with a sharded prompt
-    state, this GPU's share of the boundaries, the final one and one broadcast copy), and then either one
-    branch graph (a completion replayed with autograd) or one chunk's activations (the exact-mode reverse pass, or
-    the no-grad prefill): those never coexist.
+    state, this GPU's share of the boundaries, the final one and one broadcast copy), and then one of: a branch
+    graph (a completion replayed with autograd), one chunk's activations (the exact-mode reverse pass, or the no-grad
+    prefill), or generation's decode tail (the G rows' decoded tokens against the prompt state): those never
+    coexist.
     """
     s, u = stats, setup
     exact = u.mode == "exact"
@@ -845,6 +846,18 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
                 phase="activations",
             )
         )
+    # Generation decodes the G rows against the prompt state (held for the loss pass): each row's records of its
+    # decoded tokens and its own copy of the fixed recurrent state, on this GPU whatever the sharding.
+    items.append(
+        Item(
+            "decode tail",
+            u.group_size * (u.completion_length * s.state_per_token + s.state_fixed),
+            f"{u.group_size} rows x ({u.completion_length:,} tokens x {_size(s.state_per_token)}"
+            + (f" + {_size(s.state_fixed)} fixed" if s.state_fixed else "")
+            + ") (generation)",
+            phase="activations",
+        )
+    )
     items.append(
         Item(
             "scores",
@@ -1028,7 +1041,8 @@ def format_budget(budget: Budget, title: str) -> str:
     for item in budget.items:
         lines.append(f"  {item.name:<{width}}  {_size(item.nbytes):>11}  {item.detail}")
     phased = [i.name for i in budget.items if i.phase]
-    lines.append(f"  {'peak':<{width}}  {_size(budget.peak):>11}  (only the larger of {' and '.join(phased)} counts)")
+    largest = f"{', '.join(phased[:-1])} and {phased[-1]}" if len(phased) > 1 else "".join(phased)
+    lines.append(f"  {'peak':<{width}}  {_size(budget.peak):>11}  (only the largest of {largest} counts)")
     lines.append(f"  {'GPU memory':<{width}}  {_size(u.gpu_memory):>11}")
     return "\n".join(lines)
 
@@ -1231,7 +1245,7 @@ def trainer_refusals(
             args = copy.copy(args)
             args.expert_parallel_size = 1
         try:
-            _check_args(args)
+            _check_args(args, world_size=setup.gpus)
         except ValueError as e:
             out.append(str(e))
         coef = args.router_aux_loss_coef
