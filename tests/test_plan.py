@@ -561,9 +561,11 @@ def test_expert_parallel_never_gathers_the_experts(preset_stats):
     # Two MoE layers' experts in bf16 (36 GiB) are gathered without EP; with it, the root and two dense layers (5 GiB).
     assert _item(plain, "FSDP all-gathered") > 2 * expert_per_layer * 2 > 7 * _item(ep, "FSDP all-gathered")
     assert _item(ep, "weights") == pytest.approx(_item(plain, "weights"), abs=2)
-    # An EP group of 8 of the 32 GPUs holds 32 experts per GPU: 4 times the expert share.
+    # EP groups of 8 of the 32 GPUs: 32 experts per EP rank, sharded by FSDP2 over the 4 groups (the same 1/32 per
+    # GPU), and each layer's 32 local experts gathered over them.
     ep8 = estimate(stats, replace(setup, expert_parallel=True, ep_size=8))
-    assert _item(ep8, "weights") - _item(ep, "weights") == pytest.approx(3 * stats.expert_params * 2 / 32, abs=2)
+    assert _item(ep8, "weights") == _item(ep, "weights")
+    assert _item(ep8, "FSDP all-gathered") - _item(ep, "FSDP all-gathered") == 2 * (expert_per_layer // 8) * 2
     qwen = preset_stats["qwen3.6-27b"][1]
     with pytest.raises(ValueError, match="no routed experts"):
         estimate(qwen, replace(setup, expert_parallel=True))
@@ -614,6 +616,17 @@ def test_portable_attention_score_tiles_are_counted():
     assert _item(estimate(stats, bf16), "chunk activations") == _item(
         estimate(stats, replace(bf16, device="cpu")), "chunk activations"
     )
+
+
+def test_dsa_selection_buffers_are_counted(preset_stats):
+    """GLM-5.2's top-k selection keeps each query's running candidates (2,048 kept + a block of at most 32,768 keys,
+    fp32 scores and int64 numbers) and one fp32 indexer score tile of at most 2^26 elements."""
+    _, stats = preset_stats["glm-5.2"]
+    assert plan.dsa_selection_bytes(stats, 4096, 2_099_999) == 4096 * (2048 + 32768) * 12 + 2**26 * 4
+    assert plan.dsa_selection_bytes(stats, 512, 1000) == 512 * (2048 + 1000) * 12 + 512 * 32 * 1000 * 4
+    assert plan.dsa_selection_bytes(preset_stats["qwen3.6-27b"][1], 4096, 2_099_999) == 0
+    budget = estimate(stats, Setup(positions=2_100_000, gpus=32, shard_prompt_state=True))
+    assert "DSA top-k candidates" in [i for i in budget.items if i.name == "chunk activations"][0].detail
 
 
 @pytest.mark.slow

@@ -280,11 +280,12 @@ def query_exchange(config) -> tuple[int, int]:
 # bf16, real-width slices, chunks of 16,384): the peak beyond the weights, gradients, prompt state and checkpointed
 # layer inputs, per token and matmul element, is the same within 2% at every prompt length of a family; these are its
 # largest values rounded up to 0.05 (`python benchmarks/calibrate_planner.py` prints them, benchmarks/CALIBRATION.md).
-# Those runs used the torch fallbacks of Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the
-# fla and Triton kernels hold less. Model types without their own entry use the KV-cache families' (llama's).
+# GLM's DSA top-k selection is an item of its own (`dsa_selection_bytes`). Those runs used the torch fallbacks of
+# Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the fla and Triton kernels hold less. Model
+# types without their own entry use the KV-cache families' (llama's).
 ACTIVATION_MULTIPLES = {
     "llama": (1.25, 1.75),
-    "glm_moe_dsa": (1.25, 2.8),
+    "glm_moe_dsa": (0.5, 2.0),
     "qwen3_5_text": (1.8, 3.2),
     "qwen3_5": (1.8, 3.2),
 }
@@ -302,6 +303,19 @@ def score_tiles(stats: ModelStats, compute_bytes: int, queries: int, autograd: b
     if kernel or stats.model_type == "glm_moe_dsa" or not stats.attention_heads:
         return 0
     return (4 if autograd else 3) * queries * stats.attention_heads * KEY_BLOCK * 4
+
+
+def dsa_selection_bytes(stats: ModelStats, queries: int, keys: int) -> int:
+    """Bytes of the DSA top-k selection of `queries` query tokens over `keys` prompt keys (`glm_moe_dsa`'s PyTorch
+    path, `glm_moe_dsa._running_topk`): each query's running candidates, `index_topk` kept plus one key block of at
+    most `INDEX_KEY_BLOCK`, as fp32 scores and int64 key numbers, and one fp32 indexer score tile of at most
+    `INDEX_TILE` elements. 0 for other models. The Triton kernels used on CUDA hold less."""
+    if stats.model_type != "glm_moe_dsa" or not stats.index_topk:
+        return 0
+    from .glm_moe_dsa import INDEX_KEY_BLOCK, INDEX_TILE
+
+    block = min(INDEX_KEY_BLOCK, max(keys, 1))
+    return queries * (stats.index_topk + block) * (4 + 8) + min(INDEX_TILE, queries * stats.index_heads * block) * 4
 
 
 def activation_multiples(model_type: str) -> tuple[float, float]:
@@ -332,8 +346,10 @@ class ModelStats:
         expert_params, expert_trainable: parameters of the routed experts (fused `[E, out, in]` weights), all layers.
         largest_layer_dense_params, largest_layer_dense_trainable: the largest decoder layer without its routed
             experts (what FSDP2 gathers per layer under expert parallelism, where experts are never gathered).
+        largest_layer_expert_params: the routed experts of the layer that has the most.
         model_type: the config's, for its activation multiples (`ACTIVATION_MULTIPLES`).
         attention_heads, head_dim: query heads and their width, for the score tiles of the portable attention path.
+        index_heads, index_topk: the DSA indexer's heads and top-k (`glm_moe_dsa`), for its selection buffers.
     """
 
     total_params: int
@@ -354,9 +370,12 @@ class ModelStats:
     expert_trainable: int = 0
     largest_layer_dense_params: int = 0
     largest_layer_dense_trainable: int = 0
+    largest_layer_expert_params: int = 0
     model_type: str = ""
     attention_heads: int = 0
     head_dim: int = 0
+    index_heads: int = 0
+    index_topk: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -454,9 +473,12 @@ def model_stats(
         expert_trainable=sum(expert_trained),
         largest_layer_dense_params=max(dense),
         largest_layer_dense_trainable=max(dense_trainable),
+        largest_layer_expert_params=max(expert_counts),
         model_type=config.model_type,
         attention_heads=config.num_attention_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        index_heads=getattr(config, "index_n_heads", 0) or 0,
+        index_topk=getattr(config, "index_topk", 0) or 0,
     )
 
 
@@ -624,15 +646,19 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     moved_trainable = s.expert_trainable if u.expert_parallel else 0
     fsdp_trainable, fsdp_frozen = s.trainable_params - moved_trainable, s.total_params - s.trainable_params
     fsdp_frozen -= moved - moved_trainable
+    # The experts of an EP rank are sharded by FSDP2 over the ranks that hold the same experts (`gpus / ep` of them),
+    # so every GPU holds 1/gpus of them, as without expert parallelism (trl_longstraw/expert_parallel.py).
     fsdp_weights = share(fsdp_trainable * u.trainable_weight_bytes + fsdp_frozen * u.frozen_weight_bytes, shards)
     ep_weights = share(
-        moved_trainable * u.trainable_weight_bytes + (moved - moved_trainable) * u.frozen_weight_bytes, ep
+        moved_trainable * u.trainable_weight_bytes + (moved - moved_trainable) * u.frozen_weight_bytes, shards
     )
     sharded = f", sharded /{shards}" if shards > 1 else ""
     experts = ""
     if moved:
         sharded = f", sharded /{shards} but the routed experts" if shards > 1 else ", but the routed experts"
         experts = f", which are split by expert /{ep} ({s.num_experts // ep} of {s.num_experts} per GPU)"
+        if ep < shards:
+            experts += f" and sharded /{shards // ep} by FSDP2"
     # FSDP2's CPUOffloadPolicy keeps the sharded parameters (the fp32 master weights), their gradients and the
     # optimizer state in host memory and steps the optimizer there; experts outside FSDP2 stay on the GPU.
     host = []
@@ -656,8 +682,8 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     }
     local = {
         "weights": ep_weights,
-        "gradients": share(moved_trainable * u.grad_bytes, ep),
-        "optimizer state": share(moved_trainable * u.optimizer_bytes, ep),
+        "gradients": share(moved_trainable * u.grad_bytes, shards),
+        "optimizer state": share(moved_trainable * u.optimizer_bytes, shards),
     }
     details = {"weights": weights_detail, "gradients": grad_detail, "optimizer state": optim_detail}
     items = []
@@ -665,7 +691,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         if u.offload:
             host.append(Item(name, fsdp[name], details[name]))
             on_gpu = local[name]
-            detail = f"{_size(fsdp[name])} {where}" + (f"; experts /{ep} on the GPU" if local[name] else "")
+            detail = f"{_size(fsdp[name])} {where}" + (" but the routed experts' share" if local[name] else "")
         else:
             on_gpu, detail = fsdp[name] + local[name], details[name]
         items.append(Item(name, on_gpu, detail, resident=name == "weights"))
@@ -677,14 +703,17 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # experts under expert parallelism are never gathered.
         layer, layer_trainable = s.largest_layer_params, s.largest_layer_trainable
         if u.expert_parallel:
-            layer, layer_trainable = s.largest_layer_dense_params, s.largest_layer_dense_trainable
+            # With EP groups smaller than the GPUs, FSDP2 gathers a layer's local experts over their replicas.
+            local_experts = share(s.largest_layer_expert_params, ep) if ep < shards else 0
+            layer = s.largest_layer_dense_params + local_experts
+            layer_trainable = s.largest_layer_dense_trainable
         gathered = s.root_params + s.root_trainable + 2 * layer + layer_trainable
         detail = (
             "per pass: root module (embeddings, head) and its unreduced gradient + 2 largest layers (current, "
             f"prefetched) + 1 layer's unsharded gradient, {u.compute_bytes} B each"
         )
         if u.expert_parallel:
-            detail += ", routed experts excluded"
+            detail += ", routed experts excluded" if ep == shards else f", each layer's local experts (1/{ep})"
         staged = 0
         if u.offload:
             # The current and prefetched layers' shards are copied to the GPU before their all-gather, and one
@@ -781,14 +810,23 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         exchange = state_parts * u.completion_length * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
         branch += exchange
         detail += f" + {_size(exchange)} exchanged by one attention layer across the {state_parts} ranks' branches"
-    tiles = score_tiles(s, u.compute_bytes, u.group_size * u.completion_length, autograd=True, device=u.device)
+    # One branch at a time (see `Setup.group_size`): its completion's tokens are the queries.
+    tiles = score_tiles(s, u.compute_bytes, u.completion_length, autograd=True, device=u.device)
     if tiles:
         branch += tiles
         detail += f" + {_size(tiles)} of fp32 score tiles (portable attention path)"
+    selection = dsa_selection_bytes(s, u.completion_length, tokens)
+    if selection:
+        branch += selection
+        detail += f" + {_size(selection)} of DSA top-k candidates"
     items.append(Item("branch graph", branch, detail, phase="activations"))
     chunk = min(u.prefill_chunk_size, max(tokens, 1))
     tiles = score_tiles(s, u.compute_bytes, chunk, autograd=exact, device=u.device)
     scored = f" + {_size(tiles)} of fp32 score tiles (portable attention path)" if tiles else ""
+    selection = dsa_selection_bytes(s, chunk, tokens)
+    if selection:
+        tiles += selection
+        scored += f" + {_size(selection)} of DSA top-k candidates"
     if exact:
         items.append(
             Item(
@@ -1191,6 +1229,21 @@ def trainer_refusals(
         rope = rope_override_refusal(original_config or config, args.model_init_kwargs)
         if rope is not None:
             out.append(rope)
+        # The trainer checks expert parallelism against its processes: here, the planned GPUs.
+        ep = getattr(args, "expert_parallel_size", 1)
+        if ep > 1:
+            from . import expert_parallel
+
+            for check in (
+                lambda: expert_parallel.check_args(args, setup.gpus),
+                lambda: expert_parallel.check_model_config(config, ep),
+            ):
+                try:
+                    check()
+                except ValueError as e:
+                    out.append(str(e))
+            args = copy.copy(args)
+            args.expert_parallel_size = 1
         try:
             _check_args(args, world_size=setup.gpus)
         except ValueError as e:
