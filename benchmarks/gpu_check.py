@@ -938,7 +938,7 @@ class Step:
         import torch
 
         for engine in self.trainer._engines.values():
-            engine._kept = None
+            engine.release()
         gc.collect()
         if self.args.device == "cuda":
             torch.cuda.empty_cache()

@@ -3,9 +3,10 @@
 
 With no arguments it runs a demo on CPU in about a minute (a few on a busy machine): the embedded default
 `TINY_CPU_DEFAULTS` below, the same settings as `recipes/configs/tiny_cpu.yaml`. A tiny random Llama trains on the
-`longstraw/needle` task with 384-token prompts prefilled in chunks of 128 (a progress bar shows the chunks); within
-the demo it learns to answer with a digit (see `trl_longstraw.tasks`), and the run ends with a summary of the prompt
-positions, the peak memory and the mean reward of the first and last steps.
+`longstraw/needle` task with 384-token prompts prefilled in chunks of 128 (a progress bar shows the chunks), after
+a short supervised warm-up on 32-token needles (see `trl_longstraw.warmup`); GRPO then raises its greedy accuracy on
+held-out 384-token prompts, logged every 10 steps, and the run ends with a summary of the prompt positions, the peak
+memory, the mean reward of the first and last steps and the held-out accuracy at the start and the end.
 
     accelerate launch recipes/grpo_long.py          # the embedded default (CPU demo)
     python recipes/grpo_long.py                     # the same, one process
@@ -19,6 +20,10 @@ override the YAML. The script's own fields (`trl_longstraw.recipe.LongStrawScrip
   by `--prompt_tokens` and `--num_prompts`), or a dataset of the Hub or on disk with a `prompt` column.
 - `--reward_funcs`: `retrieval_reward`, `exact_match_reward`, TRL's `accuracy_reward` and `think_format_reward`, or a
   dotted import path `my_module.my_reward`. Weigh them with `--reward_weights`.
+- `--warmup_sft_steps N` (built-in tasks): N supervised steps on the answers of `--warmup_sft_prompt_tokens`-token
+  prompts of the task (`--warmup_sft_batch_size` a step, AdamW at `--warmup_sft_learning_rate`) before GRPO.
+- `--heldout_prompts N` (built-in tasks): greedy accuracy on N prompts of `--prompt_tokens` tokens never trained on,
+  at step 0 and every `--heldout_steps` steps, logged as `longstraw/heldout_accuracy`.
 - `--model_name_or_path longstraw/tiny-<family>` (`longstraw/tiny-llama`, `longstraw/tiny-qwen3`, ...) builds a tiny
   random model of that transformers family, offline, into `<output_dir>/tiny-model`.
 - PEFT through `ModelConfig`: `--use_peft --lora_r 16 --lora_target_modules q_proj v_proj ...`. `--lora_dropout`
@@ -49,6 +54,10 @@ TINY_CPU_DEFAULTS: dict = {
     "num_prompts": 256,
     "reward_funcs": ["retrieval_reward", "exact_match_reward"],
     "reward_weights": [1.0, 0.0],
+    "warmup_sft_steps": 80,
+    "warmup_sft_prompt_tokens": 32,
+    "heldout_prompts": 256,
+    "heldout_steps": 10,
     "prompt_gradient": "exact",
     "prefill_chunk_size": 128,
     "num_generations": 8,

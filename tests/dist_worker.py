@@ -6,9 +6,10 @@ runs these scenarios on them:
 
 - `ddp_exact`: DDP, exact mode, micro-batch `A` under `no_sync` (gradient accumulation), then `B` synchronized;
 - `ddp_detached`: DDP, detached mode, `B`;
-- `fsdp2_exact`: `fully_shard` on every decoder layer and the root, exact mode, `A` under
-  `set_requires_gradient_sync(False)`, then `B`: the ranks run different work, so the engine's data-parallel
-  lockstep pads their passes to equal counts and FSDP2 gathers and frees each layer pass by pass;
+- `fsdp2_exact`: `fully_shard` on every decoder layer and the root, exact mode with non-reentrant gradient
+  checkpointing, `A` under `set_requires_gradient_sync(False)`, then `B`: the ranks run different work, so the
+  engine's data-parallel lockstep pads their passes to equal counts and FSDP2 gathers and frees each layer pass by
+  pass;
 - `fsdp2_detached`: the same model, detached mode, `B`;
 - `sharded_exact` / `sharded_detached`: DDP with the prompt state sharded over both ranks, micro-batch `S` (the
   ranks hold the same prompts, different completions); `sharded_exact` with non-reentrant gradient checkpointing;
@@ -17,6 +18,8 @@ runs these scenarios on them:
   `S`: the ranks run in lockstep, so FSDP2 gathers and frees each layer pass by pass;
 - `fsdp2_grouped_sharded_detached`: the FSDP2 model with the prompt state sharded over groups of one rank each
   (smaller than the world: different passes, so the engine gathers the whole model once per call), detached, `B`;
+- `sharded_long_exact`: the sharded prompt state, exact mode, micro-batch `L` (a long prompt), counting the tokens
+  that each decoder layer's MLP runs on this rank;
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
   has no gradient to back-propagate;
 - `fsdp2_batched_scoring`: the FSDP2 model scores `A` with branches packed into batches of at most `BATCH_TOKENS`
@@ -35,6 +38,7 @@ collective calls, the state sizes and the recurrent records each rank holds afte
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -112,7 +116,9 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
     `A`, `B`: uneven work: the ranks hold different numbers of distinct prompts (of 0 to 3 chunks of 5 tokens) and
     completions of different lengths (1 to 9). Every rank holds 3 rows, as TRL's metric gathers need equal row
     counts. `S`: both ranks hold the same two prompts (3 and 2 chunks), with 2 + 1 and 1 + 2 completions. `C`: like
-    `S`, but rank 1's advantages are zero, so that with `beta = 0` it has no gradient to back-propagate at all.
+    `S`, but rank 1's advantages are zero, so that with `beta = 0` it has no gradient to back-propagate at all. `L`:
+    one prompt of 202 tokens (201 prefix tokens: 20 context-parallel rounds of 2 chunks, then one token that both
+    ranks run) and 2 + 2 short completions, for the MLP token counts of `sharded_long_exact`.
     """
     from trl_longstraw.testing import random_micro_batch
 
@@ -122,6 +128,7 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
         "B": ([12, 6, 2], [2, 8, 1, 7, 1, 6], [0, 0, 0, 1, 1, 2], [0, 0, 0, 1, 1, 1]),
         "S": ([13, 7], [9, 1, 5, 3, 4, 6], [0, 1, 0, 1, 0, 1], [0, 0, 0, 1, 1, 1]),
         "C": ([11, 8], [4, 2, 7, 3, 5, 1], [0, 1, 1, 0, 1, 0], [0, 0, 0, 1, 1, 1]),
+        "L": ([202], [3, 1, 2, 4], [0, 0, 0, 0], [0, 0, 1, 1]),
     }
     batches = {}
     for i, (key, (prompts, completions, prompt_of_row, rank_of_row)) in enumerate(layouts.items()):
@@ -133,6 +140,23 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
             batch["advantages"][batch["rank"] == 1] = 0.0
         batches[key] = batch
     return batches
+
+
+@contextlib.contextmanager
+def mlp_tokens_counted(model):
+    """Counts, in `[n]`, the tokens that the decoder layers' MLPs run (forward calls), averaged over the layers."""
+    count = [0]
+    layers = model.get_decoder().layers
+
+    def hook(module, inputs):
+        count[0] += inputs[0].shape[:-1].numel() / len(layers)
+
+    hooks = [layer.mlp.register_forward_pre_hook(hook) for layer in layers]
+    try:
+        yield count
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def rows_of(batch: dict, rank: int) -> dict:
@@ -553,9 +577,12 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         start = len(log)
         fsdp.zero_grad(set_to_none=True)
         gathered.clear()
+        if mode == "exact":  # as the recipes run FSDP2: recomputed layers are gathered again by FSDP2
+            fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for i, key in enumerate(micro_batches):
             fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
             step(fsdp, batches[key], mode)
+        fsdp.gradient_checkpointing_disable()
         results[name] = full_grads(fsdp)
         results["collectives"][name] = log[start:]
         results["gathered"][name] = most_gathered()
@@ -587,6 +614,14 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         step(ddp, batches["S"], mode)
         results[name] = full_grads(trainer.model)
         results["collectives"][name] = log[start:]
+    # A long prompt: the tokens that run through the MLPs on this rank (context parallelism splits the prompt's).
+    start = len(log)
+    trainer.model.zero_grad(set_to_none=True)
+    with mlp_tokens_counted(trainer.model) as mlp_tokens:
+        step(ddp, batches["L"], "exact")
+    results["sharded_long_exact"] = full_grads(trainer.model)
+    results["collectives"]["sharded_long_exact"] = log[start:]
+    results["mlp_tokens"] = mlp_tokens[0]
     # The same exact step with the recurrent boundaries in host memory (offload_boundary_states): owners stash theirs
     # after the prefill and restore them before broadcasting them in the reverse pass.
     trainer.args.offload_boundary_states = True
@@ -673,6 +708,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         boundary_broadcast,
         results["gathered"],
         batched_logps,
+        results["mlp_tokens"],
     )
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -684,6 +720,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["boundary_broadcast"] = [e[5] for e in everyone]
         results["gathered"] = [e[6] for e in everyone]
         results["batched_logps"] = [e[7] for e in everyone]
+        results["mlp_tokens"] = [e[8] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

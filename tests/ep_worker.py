@@ -4,8 +4,9 @@ Launched by the test with `torchrun --nproc_per_node 2 tests/ep_worker.py MODEL_
 the MoE model itself with `expert_parallel_size=2` (transformers' `DistributedConfig(fsdp_size=2, ep_size=2,
 ep_implementation="all_to_all")`: 2 of the 4 experts of each MoE layer per rank, everything else under FSDP2), with
 the prompt state sharded over both ranks, and runs micro-batch `S` of `dist_worker.make_batches` (both ranks hold the
-same prompts, different completions) in exact mode (also with non-reentrant gradient checkpointing) and in detached
-mode.
+same prompts, different completions) in exact mode (also with non-reentrant gradient checkpointing, and with LoRA) and
+in detached mode; then without the sharded state (the engine's data-parallel lockstep) on micro-batches `A` (exact)
+and `B` (detached), where the ranks hold different prompts; then FSDP2's CPU offload runs.
 
 Rank 0 writes to `OUT`: the full parameter gradients of each run (gathered from the DTensors), how many experts each
 expert module held in every forward on each rank, each rank's local expert weights after training (to compare with
@@ -22,6 +23,23 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+
+
+def count_expert_exchanges(log: list) -> None:
+    """Logs transformers' expert all-to-alls as `("ep_" + name, tensor shapes)`: its EP module binds them by name at
+    import, out of reach of `dist_worker.count_collectives`."""
+    import transformers.distributed.expert_parallel as hf_ep
+
+    def wrap(name, fn):
+        def wrapper(*args, **kwargs):
+            log.append((f"ep_{name}", tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))))
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("all_to_all_single", "all_to_all_single_autograd"):
+        setattr(hf_ep, name, wrap(name, getattr(hf_ep, name)))
+
 
 # LoRA of the expert-parallel run and of its single-process reference.
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["o_proj"])
@@ -77,6 +95,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     trainer.current_gradient_accumulation_steps = 1
     log: list = []
     count_collectives(log)
+    count_expert_exchanges(log)
 
     # Experts each expert module holds while it runs: 2 of 4 if they are never gathered across the EP group.
     seen: dict[str, set[int]] = {}
@@ -103,11 +122,18 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         return grads
 
     results: dict = {"collectives": {}}
-    for name, mode, checkpointing in [
-        ("ep_exact", "exact", False),
-        ("ep_exact_checkpointing", "exact", True),
-        ("ep_detached", "detached", False),
+    shards = trainer._prompt_shards
+    for name, mode, checkpointing, key in [
+        ("ep_exact", "exact", False, "S"),
+        ("ep_exact_checkpointing", "exact", True, "S"),
+        ("ep_detached", "detached", False, "S"),
+        # Without a sharded prompt state: the engine's data-parallel lockstep (uneven prompts, chunks and completions
+        # per rank, padded with filler passes), in which the experts' all-to-alls meet too.
+        ("ep_dp_exact", "exact", False, "A"),
+        ("ep_dp_detached", "detached", False, "B"),
     ]:
+        trainer._prompt_shards = shards if key == "S" else None
+        trainer._engines.clear()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -115,10 +141,12 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         trainer.args.prompt_gradient = mode
         model.zero_grad(set_to_none=True)
         start = len(log)
-        trainer.training_step(model, rows_of(batches["S"], rank), batches["S"]["num_items_in_batch"])
+        trainer.training_step(model, rows_of(batches[key], rank), batches[key]["num_items_in_batch"])
         results[name] = full_grads()
         results["collectives"][name] = log[start:]
         assert all(isinstance(p, DTensor) for p in model.parameters()), "parameters left unsharded"
+    trainer._prompt_shards = shards
+    trainer._engines.clear()
 
     # LoRA on the attention output projections of the expert-parallel model: the adapters are plain tensors beside the
     # DTensors, which transformers' Trainer broadcasts and averages itself (`_sync_replicated_trainable_parameters`,
@@ -148,7 +176,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     import transformers.distributed.fsdp as hf_fsdp
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from trl_longstraw.distributed import _param_groups, fsdp2_root
+    from trl_longstraw.distributed import _param_groups, fsdp2_offloads, fsdp2_root
 
     hf_fsdp.CPUOffloadPolicy = functools.partial(CPUOffloadPolicy, pin_memory=torch.cuda.is_available())
     offload_config = trainer_config(tempfile.mkdtemp(), fsdp_cpu_offload=True, **settings)
@@ -169,14 +197,16 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     fsdp_params = [fp for g in _param_groups(fsdp2_root(offloaded.model)) for fp in g.fsdp_params]
     grads = [p.grad for p in offloaded.model.parameters() if p.grad is not None]
     offload_state = {
+        # What the memory guard tells the planner (`distributed.fsdp2_offloads`), offloaded and not.
+        "detected": (fsdp2_offloads(offloaded.model), fsdp2_offloads(model)),
         "ep": all(fp.offload_to_cpu for fp in fsdp_params),
         "ep_devices": sorted({str(t.to_local().device) for t in [*offloaded.model.parameters(), *grads]}),
     }
 
     # FSDP2 as accelerate applies it (`fully_shard` on every decoder layer and the root; on CPU accelerate would turn
     # an FSDP config into DDP), with and without `CPUOffloadPolicy` (accelerate's `fsdp_offload_params: true`), in
-    # both engine modes: gathered (the prompt state unsharded, micro-batch `A` of uneven work) and per pass (the
-    # prompt state sharded over both ranks, `S`).
+    # both lockstep modes, layer by layer: data-parallel (the prompt state unsharded, micro-batch `A` of uneven work)
+    # and sharded (the prompt state sharded over both ranks, `S`).
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
@@ -192,7 +222,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
             fully_shard(layer, mesh=mesh, **policy)
         fully_shard(fsdp, mesh=mesh, **policy)
         tag = "_offload" if offload else ""
-        for mode, key, sharded in [("gathered", "A", False), ("per_pass", "S", True)]:
+        for mode, key, sharded in [("data_parallel", "A", False), ("per_pass", "S", True)]:
             trainer._prompt_shards = shards if sharded else None
             trainer._engines.clear()
             trainer.args.prompt_gradient = "exact"
@@ -207,10 +237,17 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         if offload:
             fsdp_params = [fp for g in _param_groups(fsdp) for fp in g.fsdp_params]
             grads = [p.grad for p in fsdp.parameters() if p.grad is not None]
-            offload_state["fsdp2"] = all(fp.offload_to_cpu for fp in fsdp_params)
+            offload_state["fsdp2"] = all(fp.offload_to_cpu for fp in fsdp_params) and fsdp2_offloads(fsdp)
             offload_state["fsdp2_devices"] = sorted({str(t.to_local().device) for t in [*fsdp.parameters(), *grads]})
     trainer._prompt_shards = shards
     trainer._engines.clear()
+
+    # Generation: the shared-prompt decoding does not run the ranks in lockstep, so under expert parallelism the
+    # trainer leaves generation to transformers' generate (synced_gpus), also without a sharded prompt state.
+    trainer.args.shard_prompt_state = False
+    trainer._check_setup()
+    assert trainer._shared_generation is False, "shared-prompt generation under expert parallelism"
+    trainer.args.shard_prompt_state = True
 
     local = {
         name: p.to_local().detach().clone()

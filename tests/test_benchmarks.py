@@ -123,6 +123,24 @@ def test_bench_step_tiny_sweep(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_whole_step_tiny(tmp_path):
+    """A tiny whole step (generation + loss) per implementation: both phases measured, ours' loss pass takes
+    generation's prompt state (llama decodes against it), and the report states the generation-peak target."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_whole_step.py"), "--family", "llama", "--P", "300"]
+    cmd += ["--G", "2", "--C", "8", "--chunk", "64", "--impls", "stock,detached", "--timeout", "300"]
+    proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raw = json.loads((tmp_path / "whole_step.json").read_text())
+    by_impl = {r["impl"]: r for r in raw["records"]}
+    assert set(by_impl) == {"stock", "detached"} and all(r["status"] == "ok" for r in raw["records"]), raw
+    for r in raw["records"]:
+        assert r["generation_time_s"] > 0 and r["loss_time_s"] > 0 and r["peak_bytes"] > r["rss_before"]
+    assert by_impl["detached"]["prompt_positions"] == 0 and by_impl["detached"]["prompt_positions_reused"] == 299
+    text = (tmp_path / "WHOLE_STEP.md").read_text()
+    assert "| 300 | detached |" in text and "Target: ours' generation peak" in text
+
+
+@pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
     """benchmarks/gpu_check.sh end to end with tiny widths on CPU: every stage records its figures, and the bf16
     stage's end-to-end comparisons meet the mixed-precision criterion."""

@@ -61,3 +61,33 @@ def test_card_gives_the_planner_verdict_when_the_memory_guard_ran(tiny_model_pat
         "planner (`trl_longstraw.plan`) for this hardware: fits: about 60.0 GiB per GPU at the peak of a step (of "
         "96.0 GiB; 40.0 GiB to allocate, 70.0 GiB free) for 131,072 prompt positions and 512-token completions."
     ) in card
+
+
+def test_memory_guard_estimate_reaches_the_card(tiny_model_path, monkeypatch):
+    """The memory guard's check before the first GPU step (its device query faked here, on CPU) keeps the planner's
+    estimate, which the card then gives as the verdict for the run's hardware."""
+    import torch
+
+    from trl_longstraw import guards
+
+    trainer = make_trainer(tiny_model_path("llama"))
+    monkeypatch.setattr(guards, "device_free_memory", lambda device: (80 * GIB, 96 * GIB))
+    trainer._check_memory(trainer.model, {"prompt_ids": torch.zeros(1, 100), "completion_ids": torch.zeros(1, 9)})
+    estimate = trainer.memory_estimate
+    assert estimate["free"] == 80 * GIB and estimate["gpu_memory"] == 96 * GIB
+    assert estimate["positions"] == 100 and estimate["completion_length"] == 9
+    assert 0 < estimate["to_allocate"] <= estimate["peak"] < 80 * GIB  # a tiny model (the planner adds fixed costs)
+    card = saved_card(trainer)
+    peak = estimate["peak"] / GIB
+    assert f"for this hardware: fits: about {peak:.1f} GiB per GPU at the peak of a step (of 96.0 GiB;" in card
+    assert "for 100 prompt positions and 9-token completions." in card
+
+
+def test_usage_of_the_grpo_command_lists_the_fields(capsys):
+    from trl_longstraw import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["grpo", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--prefill_chunk_size" in out and "--reward_funcs" in out and "--model_name_or_path" in out

@@ -60,7 +60,7 @@ def test_installed_command_runs_outside_the_checkout(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="1")
     where = subprocess.run(
-        [sys.executable, "-c", "import trl_longstraw; print(trl_longstraw.__file__)"],
+        [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('trl_longstraw').origin)"],
         cwd=work,
         env=env,
         capture_output=True,
@@ -81,7 +81,7 @@ def test_installed_command_runs_outside_the_checkout(tmp_path):
     assert line == "accelerate launch --cpu -m trl_longstraw.cli grpo --config tiny_cpu/config.yaml"
     # With `--num_processes 2` added: accelerate's CPU launcher starts one process, which the command says.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", *line.split()[2:]]
-    command += ["--max_steps", "1", "--output_dir", "launched"]
+    command += ["--max_steps", "1", "--num_prompts", "8", "--output_dir", "launched"]
     result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "trl_longstraw run summary" in result.stdout
@@ -123,11 +123,13 @@ def test_fewer_processes_than_asked_warns(caplog):
 
 # ------------------------------------------------------------------------------------------------ saving, resuming
 def small(tmp_path, *flags: str) -> list[str]:
-    """The tiny config's arguments, cut down to a few seconds a step (64-token prompts in 2 chunks, groups of 4)."""
+    """The tiny config's arguments, cut down to a few seconds a step (64-token prompts in 2 chunks, groups of 4; no
+    warm-up or held-out accuracy, which tests/test_demo.py covers)."""
     return [
         "--config", str(TINY), "--output_dir", str(tmp_path), "--prompt_tokens", "64", "--prefill_chunk_size", "32",
         "--num_prompts", "8", "--num_generations", "4", "--per_device_train_batch_size", "4",
-        "--gradient_accumulation_steps", "1", "--prefill_progress", "false", *flags,
+        "--gradient_accumulation_steps", "1", "--prefill_progress", "false", "--warmup_sft_steps", "0",
+        "--heldout_prompts", "0", *flags,
     ]  # fmt: skip
 
 

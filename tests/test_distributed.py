@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from dist_worker import BATCH_TOKENS, make_batches, trainer_config
+from dist_worker import BATCH_TOKENS, make_batches, mlp_tokens_counted, trainer_config
 from tolerances import ATTN_ATOL_FP32, DIST_GRAD_RTOL, LOGP_ATOL, SHARDED_ATTN_ATOL_FP64, SHARDED_GRAD_RTOL
 from transformers import AutoConfig
 
@@ -44,6 +44,7 @@ EXPECTED = {
     "fsdp2_sharded_exact": "sharded_exact",
     "fsdp2_grouped_sharded_detached": "detached",
     "offload_sharded_exact": "sharded_exact",
+    "sharded_long_exact": "sharded_long_exact",
     "ddp_idle_rank": "idle_rank",
     "fsdp2_idle_rank": "idle_rank",
     "sharded_idle_rank": "idle_rank",
@@ -110,6 +111,9 @@ def reference(launch):
     refs = {"exact": grads("AB", "exact"), "detached": grads("B", "detached")}
     refs["sharded_exact"] = grads("S", "exact", checkpointing=True)
     refs["sharded_detached"] = grads("S", "detached")
+    with mlp_tokens_counted(trainer.model) as mlp_tokens:
+        refs["sharded_long_exact"] = grads("L", "exact")
+    refs["mlp_tokens"] = mlp_tokens[0]
     trainer.beta = 0.0
     refs["idle_rank"] = grads("C", "exact")
     trainer.beta = config.beta
@@ -190,6 +194,20 @@ def test_sharded_state_is_split(launch):
     mine = (6, 6) if launch[0] in CONTEXT_PARALLEL else (7, 5)
     assert (rank0["sharded"] - fixed) * 12 == (unsharded - fixed) * mine[0]
     assert (rank1["sharded"] - fixed) * 12 == (unsharded - fixed) * mine[1]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
+def test_context_parallel_splits_mlp_tokens(launch, reference):
+    """Exact mode, a 202-token prompt and 2 + 2 short completions (`L`): with context-parallel passes each rank runs
+    at most 55% of the single-process step's tokens through the MLPs (prefill and reverse split in two, branches
+    split by rank); glm_moe_dsa, whose passes are replicated, runs the whole prompt on each rank (more than 90%)."""
+    results = _results(launch)
+    for rank, tokens in enumerate(results["mlp_tokens"]):
+        share = tokens / reference["mlp_tokens"]
+        if launch[0] in CONTEXT_PARALLEL:
+            assert share <= 0.55, f"rank {rank} ran {share:.1%} of the single-process MLP tokens"
+        else:
+            assert share > 0.9, f"rank {rank} ran {share:.1%} of the single-process MLP tokens"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
@@ -313,7 +331,7 @@ def test_collectives_equal_across_ranks(launch, scenario):
     # The exact-mode reverse pass broadcasts the recurrent boundary at the start of every context-parallel round but
     # the first, from its owner: one fp32 buffer per round transition. In `S`, the prefix of 12 tokens runs in two
     # rounds (chunks of 5, 5, then 1, 1), that of 6 in one (3, 3); in `C`, 10 and 7 tokens in one round each.
-    transitions = {"sharded_exact": 1, "fsdp2_sharded_exact": 1, "offload_sharded_exact": 1}
+    transitions = {"sharded_exact": 1, "fsdp2_sharded_exact": 1, "offload_sharded_exact": 1, "sharded_long_exact": 20}
     expected = transitions.get(scenario, 0) if launch[0] == "qwen3_5" else 0
     assert [name for name, _ in rank0].count("broadcast") == expected
 

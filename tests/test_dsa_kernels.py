@@ -86,6 +86,24 @@ def test_select_topk_kernel_ties_go_to_the_earlier_key_and_nan_raises(monkeypatc
         dk.select_topk(q, weights, keys, query_start=4, topk=2, scale=1.0)
 
 
+@pytest.mark.parametrize("integer", [False, True], ids=["distinct", "ties"])
+def test_decode_selection_kernel_matches_reference(monkeypatch, integer):
+    """A decoding step of 3 rows: the kernels' selection (row by row over the prompt's chunks and the row's tail)
+    equals `decode_select_topk`'s PyTorch path."""
+    _small_tiles(monkeypatch)
+    q, weights, keys = _random_selection_inputs(3, [3, 5, 2, 3], integer)
+    tails = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(1))
+    tails = tails.round() if integer else tails
+    monkeypatch.setattr(dk, "ON_CPU", False)
+    expected = glm.decode_select_topk(q, weights, keys[:-1], tails, 4, 0.5)
+    monkeypatch.setattr(dk, "ON_CPU", True)
+    calls, select = [], dk.select_topk
+    monkeypatch.setattr(dk, "select_topk", lambda *args: calls.append(1) or select(*args))
+    got = glm.decode_select_topk(q, weights, keys[:-1], tails, 4, 0.5)
+    assert len(calls) == 3, "the kernels ran, one launch per row"
+    assert torch.equal(_sorted(got), _sorted(expected))
+
+
 # ----------------------------------------------------------------------------------------------- sparse attention
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, ATTN_ATOL_FP32), (torch.bfloat16, ATTN_ATOL_BF16)])
 def test_sparse_attention_kernel_matches_reference(monkeypatch, dtype, atol):
@@ -155,3 +173,31 @@ def test_glm_through_kernels_matches_stock_and_reference_gradients(tiny_model_pa
     monkeypatch.setattr(dk, "ON_CPU", False)
     _, ref_grads = _step(trainer, mb)
     _assert_same_grads(grads, ref_grads)
+
+
+@pytest.mark.slow
+def test_decoding_through_the_kernels_equals_generate(tiny_model_path, monkeypatch):
+    """Shared-prompt greedy decoding of a tiny glm_moe_dsa with the kernels serving the selection and the sparse
+    attention (prompt records and the rows' tails as parts) follows `generate` step by step."""
+    from test_generation import assert_same_steps, stock_and_ours
+
+    from tests.grpo_pair import make_pair
+
+    _, ours = make_pair(
+        tiny_model_path(FAMILY), generation_kwargs={"do_sample": False}, longstraw={"prefill_chunk_size": 3}
+    )
+    monkeypatch.setattr(dk, "ON_CPU", True)
+    launches = []
+    select, attention = dk.select_topk, dk.SparseLatentAttention
+
+    class CountedAttention(attention):
+        @staticmethod
+        def forward(ctx, *args):
+            launches.append("attention")
+            return attention.forward(ctx, *args)
+
+    monkeypatch.setattr(dk, "select_topk", lambda *args: launches.append("select") or select(*args))
+    monkeypatch.setattr(dk, "SparseLatentAttention", CountedAttention)
+    steps = stock_and_ours(ours, "a b c d e f g h i j k", pad=3, rows=2, max_new_tokens=5, do_sample=False)
+    assert_same_steps(*steps)
+    assert {"select", "attention"} <= set(launches), "the kernels served the decoding"

@@ -165,8 +165,8 @@ def test_branch_replay_does_not_write_the_prompt_state(tiny_model_path):
     mb = random_micro_batch([13], [9, 1, 4], [0, 0, 0], VOCAB, seed=3)
     batch = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
     with torch.no_grad():
-        engine.score(*batch, keep_last=True)
-    key, state = engine._kept
+        engine.score(*batch, keep=True)
+    (state,) = engine.held().values()
     before = [t.clone() for t in state.tensors()]
     assert len(before) == 2 * 2 * 3  # 2 layers x (k, v) x ceil(12 / 5) chunks
     seen = []
@@ -175,10 +175,35 @@ def test_branch_replay_does_not_write_the_prompt_state(tiny_model_path):
         torch.ones(mb["completion_ids"].shape),
         None,
         False,
-        lambda loss: (seen.append(engine._kept), loss.backward()),
+        lambda loss: (seen.append(list(engine.held().values())), loss.backward()),
     )
-    assert len(seen) == 3 and all(kept[1] is state for kept in seen)
+    assert len(seen) == 3 and all(len(kept) == 1 and kept[0] is state for kept in seen)
     assert all(torch.equal(a, b) for a, b in zip(before, state.tensors(), strict=True))
+
+
+def test_states_beyond_the_hold_budget_are_prefilled_again_with_one_warning(tiny_model_path, caplog):
+    """With a hold budget too small for the other prompts' states, the backward pass prefills them again, gets the
+    the same gradients as with every state held, and says so once."""
+    path = tiny_model_path("llama")
+    mb = random_micro_batch([13, 9, 11], [4, 2, 3, 5, 1, 2], [0, 1, 2, 0, 1, 2], VOCAB, seed=5)
+    batch = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
+    results = []
+    for budget in (None, 0):
+        ours = make_trainer(path, prefill_chunk_size=CHUNK, prefill_progress=False)
+        engine = ours._engine(ours.model)
+        engine.hold_budget = budget
+        engine.stats.reset()
+        with torch.no_grad(), caplog.at_level("WARNING"):
+            engine.score(*batch, keep=True, boundaries=True)
+            assert len(engine.held()) == (3 if budget is None else 1)
+        engine.backward(*batch, torch.ones(mb["completion_ids"].shape), None, True, torch.Tensor.backward)
+        assert not engine.held()
+        # Prompt positions prefilled: 12 + 8 + 10 once; with the last scored state held, the two others twice.
+        assert engine.stats.prompt_positions == (30 if budget is None else 30 + 12 + 8)
+        results.append({n: p.grad.clone() for n, p in ours.model.named_parameters() if p.grad is not None})
+    assert caplog.text.count("do not all fit") == 1
+    assert results[0].keys() == results[1].keys()
+    assert all(torch.equal(results[0][n], results[1][n]) for n in results[0])
 
 
 def test_prediction_step_evaluates(tiny_model_path):

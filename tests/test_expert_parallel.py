@@ -1,7 +1,7 @@
 """Expert parallelism through transformers (`expert_parallel_size`): settings checks, and 2-process CPU (gloo) runs
 of a tiny glm_moe_dsa and a tiny qwen3_moe (4 experts per MoE layer, 2 per rank) with the prompt state sharded over
-both ranks, against single-process gradients of the same global batch: stock `GRPOTrainer` in exact mode, the
-single-process engine in detached mode."""
+both ranks, and in data parallelism (no sharded state, different prompts per rank), against single-process gradients
+of the same global batch: stock `GRPOTrainer` in exact mode, the single-process engine in detached mode."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from datasets import Dataset
 from dist_worker import make_batches, trainer_config
 from ep_worker import LORA, lora_grads, set_lora_weights
@@ -32,16 +34,17 @@ from trl_longstraw.expert_parallel import (
     num_experts,
 )
 from trl_longstraw.testing import build_tokenizer, save_tiny_model, tiny_config
+from trl_longstraw.trainer import _prepare_expert_parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds for the whole 2-process launch; ~30 s on 2 busy cores.
 LAUNCH_TIMEOUT = 300
-RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached", "ep_lora_exact"]
+RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached", "ep_lora_exact", "ep_dp_exact", "ep_dp_detached"]
 FAMILIES = ["glm_moe_dsa", "qwen3_moe"]
 # Run with FSDP2's CPU offload -> the same run without it.
 OFFLOADED = {
     "ep_exact_offload": "ep_exact",
-    "fsdp2_gathered_offload": "fsdp2_gathered",
+    "fsdp2_data_parallel_offload": "fsdp2_data_parallel",
     "fsdp2_per_pass_offload": "fsdp2_per_pass",
 }
 # Tiny qwen3_moe: 4 experts (2 per token) in both layers, as the tiny glm_moe_dsa's MoE layers.
@@ -85,9 +88,8 @@ def _stock_batch(batch: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(launch):
-    """Single-process gradients of the global micro-batch `S`: `{run: {param: grad or None}}`."""
+    """Single-process gradients of the same global micro-batches: `{run: {param: grad or None}}`."""
     path, batches, _ = launch
-    batch = _stock_batch(batches["S"])
     settings = dict(
         per_device_train_batch_size=4,
         max_completion_length=9,
@@ -100,7 +102,7 @@ def reference(launch):
     )
     dataset = Dataset.from_dict({"prompt": ["a"] * 8})
 
-    def grads(trainer, checkpointing: bool = False) -> dict[str, torch.Tensor | None]:
+    def grads(trainer, checkpointing: bool = False, key: str = "S") -> dict[str, torch.Tensor | None]:
         trainer._prepare_inputs = lambda x: x
         trainer.current_gradient_accumulation_steps = 1
         if checkpointing:
@@ -108,12 +110,14 @@ def reference(launch):
         else:
             trainer.model.gradient_checkpointing_disable()
         trainer.model.zero_grad(set_to_none=True)
-        trainer.training_step(trainer.model, dict(batch), batch["num_items_in_batch"])
+        batch = _stock_batch(batches[key])
+        trainer.training_step(trainer.model, batch, batch["num_items_in_batch"])
         return {n: None if p.grad is None else p.grad.clone() for n, p in trainer.model.named_parameters()}
 
     stock_args = GRPOConfig(output_dir=tempfile.mkdtemp(), **settings)
     stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset)
     refs = {"ep_exact": grads(stock), "ep_exact_checkpointing": grads(stock, checkpointing=True)}
+    refs["ep_dp_exact"] = grads(stock, key="A")
     stock = GRPOTrainer(str(path), _reward, stock_args, train_dataset=dataset, peft_config=LoraConfig(**LORA))
     set_lora_weights(stock.model)
     grads(stock)
@@ -123,6 +127,7 @@ def reference(launch):
     )
     ours.args.prompt_gradient = "detached"
     refs["ep_detached"] = grads(ours)
+    refs["ep_dp_detached"] = grads(ours, key="B")
     return refs
 
 
@@ -170,10 +175,21 @@ def test_experts_are_never_gathered(launch):
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("run", sorted(set(RUNS) | set(OFFLOADED) | set(OFFLOADED.values())))
 def test_collectives_equal_across_ranks(launch, run):
-    """Both ranks issue the same collectives in the same order, the experts' all-to-alls included under EP."""
-    rank0, rank1 = (per_rank[run] for per_rank in launch[2]["collectives"])
+    """Both ranks issue the same collectives in the same order, the experts' all-to-alls (of counts, tokens forward
+    and token gradients backward) included under EP; those carry each rank's own number of routed tokens, so only
+    their order is compared, the other collectives' shapes too."""
+
+    def calls(per_rank):
+        return [(name, None if name.startswith("ep_") else shapes) for name, shapes in per_rank[run]]
+
+    rank0, rank1 = (calls(per_rank) for per_rank in launch[2]["collectives"])
     assert rank0 == rank1
-    assert ("all_to_all_single" in {name for name, _ in rank0}) == (run.startswith("ep_") or "per_pass" in run)
+    names = {name for name, _ in rank0}
+    assert (
+        {"ep_all_to_all_single", "ep_all_to_all_single_autograd"} <= names
+        if run.startswith("ep_")
+        else (not any(name.startswith("ep_") for name in names))
+    )
 
 
 @pytest.mark.slow
@@ -181,8 +197,8 @@ def test_collectives_equal_across_ranks(launch, run):
 @pytest.mark.parametrize("run", list(OFFLOADED))
 def test_cpu_offload_gradients_identical(launch, run):
     """FSDP2's CPUOffloadPolicy (`fsdp_cpu_offload` under expert parallelism; accelerate's `fsdp_offload_params`
-    otherwise, in the engine's gathered and per-pass modes) gives bit for bit the gradients and the collectives of
-    the same step without it."""
+    otherwise, in the engine's data-parallel and sharded lockstep) gives bit for bit the gradients and the collectives
+    of the same step without it."""
     results = launch[2]
     ours, kept = results[run], results[OFFLOADED[run]]
     assert set(ours) == set(kept)
@@ -200,7 +216,13 @@ def test_cpu_offload_is_active(launch):
     `fully_shard` with `CPUOffloadPolicy`) is offloaded, and the local shards and their gradients are on the CPU
     after the step (on a CPU-only machine every tensor is, so the flag is what tells the runs apart there)."""
     for per_rank in launch[2]["offload"]:
-        assert per_rank == {"ep": True, "ep_devices": ["cpu"], "fsdp2": True, "fsdp2_devices": ["cpu"]}
+        assert per_rank == {
+            "detected": (True, False),
+            "ep": True,
+            "ep_devices": ["cpu"],
+            "fsdp2": True,
+            "fsdp2_devices": ["cpu"],
+        }
 
 
 # ------------------------------------------------------------------------------------------------- settings checks
@@ -234,8 +256,7 @@ def test_fsdp_cpu_offload_without_expert_parallelism_refused():
     ("overrides", "world", "match"),
     [
         ({"expert_parallel_size": 3}, 4, "must divide the number of processes"),
-        ({"shard_prompt_state": False}, 2, "shard_prompt_state=True with prompt_shard_group_size=0"),
-        ({"prompt_shard_group_size": 2}, 4, "shard_prompt_state=True with prompt_shard_group_size=0"),
+        ({"prompt_shard_group_size": 2}, 4, "shard groups of 2 of the 4 processes"),
         ({"save_only_model": False}, 2, "save_only_model=True"),
         ({"model_init_kwargs": {"distributed_config": {"ep_size": 2}}}, 2, "remove distributed_config"),
         ({"model_init_kwargs": {"distributed_config": distributed_config(4, 2)}}, 2, "remove distributed_config"),
@@ -250,8 +271,10 @@ def test_check_args_accepts():
     check_args(_args(), 2)
     check_args(_args(prompt_shard_group_size=4, expert_parallel_size=2), 4)  # the group of all 4 processes
     check_args(_args(save_only_model=False, save_strategy="no"), 2)
+    check_args(_args(shard_prompt_state=False), 2)  # the data-parallel lockstep
     check_args(_args(model_init_kwargs={"distributed_config": distributed_config(2, 2)}), 2)  # the recipe's
     check_args(_args(expert_parallel_size=1, shard_prompt_state=False, save_only_model=False), 2)
+    check_args(_args(shard_prompt_state=False, prompt_shard_group_size=2), 4)  # groups unused without sharding
 
 
 def test_check_model_config():
@@ -286,3 +309,32 @@ def test_trainer_checks_before_loading(tiny_model_path):
         LongStrawGRPOTrainer(
             str(tiny_model_path("glm_moe_dsa")), _reward, _args(), train_dataset=Dataset.from_dict({"prompt": ["a"]})
         )
+
+
+@pytest.mark.parametrize("kind", [DistributedType.FSDP, DistributedType.DEEPSPEED])
+def test_accelerate_sharding_refused(kind):
+    """transformers shards an expert-parallel model as it loads it: an accelerate config that would shard it again is
+    refused before anything is loaded, naming the launch config to use."""
+    args = SimpleNamespace(distributed_state=SimpleNamespace(distributed_type=kind))
+    with pytest.raises(ValueError, match="recipes/accelerate/expert_parallel.yaml"):
+        _prepare_expert_parallel("unused", args)
+
+
+def test_model_init_kwargs_for_trl(tiny_model_path):
+    """TRL loads the policy given by name, and the reference model, with `args.model_init_kwargs`: the trainer adds
+    the distributed_config to them (and checks the model's experts first); a policy instance with beta = 0 needs
+    none."""
+    args = SimpleNamespace(
+        distributed_state=SimpleNamespace(distributed_type=DistributedType.MULTI_GPU),
+        model_init_kwargs={"dtype": "float32"},
+        trust_remote_code=False,
+        expert_parallel_size=2,
+        fsdp_cpu_offload=False,
+        world_size=4,
+        beta=0.0,
+    )
+    _prepare_expert_parallel(str(tiny_model_path("glm_moe_dsa")), args)
+    assert args.model_init_kwargs == {"dtype": "float32", "distributed_config": distributed_config(4, 2)}
+    args.expert_parallel_size = 8
+    with pytest.raises(ValueError, match="must divide the 4 experts"):
+        _prepare_expert_parallel(str(tiny_model_path("glm_moe_dsa")), args)

@@ -273,11 +273,12 @@ def test_shared_generation_off_is_stock(tiny_model_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
 def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, family):
     """2 processes (gloo), `shard_prompt_state=True`: each rank holds half of every prompt's attention records and
-    decodes its own rows of the same prompts (tests/decode_worker.py). Greedy completions equal `generate`'s; sampled
-    rows follow `_sample` step by step on each rank's rows and seed; the prompt states are never written."""
+    decodes its own rows of the same prompts (tests/decode_worker.py). Greedy completions equal `generate`'s, on DDP
+    and on FSDP2 (synced_gpus); sampled rows follow `_sample` step by step on each rank's rows and seed; the prompt
+    states are never written."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -289,6 +290,7 @@ def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, fami
     for rank, result in enumerate(torch.load(out, weights_only=False)):
         got, expected = result["greedy"]
         assert got == expected, f"rank {rank}"
+        assert result["fsdp2_greedy"] == expected, f"rank {rank}: FSDP2 (synced_gpus, per-layer gathers)"
         assert len({len(c) for c in got}) > 1, "completions of different lengths (EOS midway)"
         assert result["unchanged"], f"rank {rank}: decoding wrote the prompt state"
         # The 13-token prompt (4 chunks of 3 before its last token): this rank holds 2 of its chunks' records.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import replace
 
@@ -139,6 +140,27 @@ def test_runtime_budget_counts_the_live_model(tiny_model_path):
     assert budget.to_allocate == budget.peak - params * 4
 
 
+def test_runtime_budget_passes_expert_parallelism_and_offload(tiny_model_path):
+    """The guard tells the planner what the run does: experts split over `expert_parallel_size` GPUs, FSDP2's CPU
+    offload, boundary states in host memory; each lowers the device peak of a 2-GPU FSDP2 step of a tiny GLM-5."""
+    trainer = make_trainer(tiny_model_path("glm_moe_dsa"), prefill_chunk_size=5, router_aux_loss_coef=0.0)
+    args = copy.copy(trainer.args)
+
+    def budget(offload: bool = False, **overrides):
+        for key, value in overrides.items():
+            setattr(args, key, value)
+        return guards.runtime_budget(trainer.model, args, 13, 4, gpus=2, fsdp=True, gpu_memory=10**9, offload=offload)
+
+    plain = budget()
+    assert (plain.setup.expert_parallel, plain.setup.ep_size, plain.setup.offload) == (False, 0, False)
+    ep = budget(expert_parallel_size=2)
+    assert (ep.setup.expert_parallel, ep.setup.ep_size) == (True, 2)
+    assert ep.peak < plain.peak
+    offloaded = budget(expert_parallel_size=1, offload=True)
+    assert offloaded.setup.offload and offloaded.peak < plain.peak
+    assert budget(offload_boundary_states=True).setup.offload_boundary_states
+
+
 def test_trainer_memory_guard_stops_the_first_step(tiny_model_path, monkeypatch):
     calls = []
 
@@ -169,6 +191,28 @@ def test_trainer_memory_guard_checks_once_and_lets_fitting_runs_through(tiny_mod
         trainer.training_step(trainer.model, dict(mb), mb["num_items_in_batch"])
     assert len(calls) == 1
     assert any(p.grad is not None for p in trainer.model.parameters())
+
+
+def test_trainer_memory_guard_runs_before_the_first_generation(tiny_model_path, monkeypatch):
+    """With a training dataset, the guard checks the dataset's longest prompt before generating (the planner's step
+    includes the decode tail), and sets what is left free as the engines' hold budget."""
+    from grpo_pair import generation_inputs, make_pair
+
+    free = []
+    monkeypatch.setattr(guards, "device_free_memory", lambda device: (free[-1], 80 * 10**9))
+    _, ours = make_pair(tiny_model_path("llama"), prompts=["a b c d e f g", "h i"], max_completion_length=4)
+    generated = []
+    ours._generate_and_score_completions = lambda inputs: generated.append(inputs)
+    free.append(1024)
+    with pytest.raises(ValueError, match="only 1.00 KiB is free"):
+        ours.training_step(ours.model, generation_inputs(["h i"], 3), None)
+    assert not generated
+    _, ours = make_pair(tiny_model_path("llama"), prompts=["a b c d e f g", "h i"], max_completion_length=4)
+    free.append(10**12)
+    budget = guards.runtime_budget(ours.model, ours.args, 7, 4, gpus=1, fsdp=False, gpu_memory=80 * 10**9)
+    ours._check_memory(ours.model, 7, 4)
+    assert ours.memory_estimate["positions"] == 7
+    assert ours._hold_budget == 10**12 - budget.to_allocate
 
 
 def test_trainer_memory_guard_can_be_disabled(tiny_model_path, monkeypatch):

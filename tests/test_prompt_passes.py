@@ -58,9 +58,9 @@ class Snapshot(TrainerCallback):
             c.counts.clear()
 
 
-def run(trainer, separate_ref: bool):
-    tokens = [trainer.processing_class(text=p)["input_ids"] for p in PROMPTS]
-    assert len({len(t) for t in tokens}) == 1 and not set(tokens[0]) & set(tokens[1])
+def run(trainer, separate_ref: bool, prompts: list[str] = PROMPTS):
+    tokens = [trainer.processing_class(text=p)["input_ids"] for p in prompts]
+    assert len({len(t) for t in tokens}) == 1 and len({t for ts in tokens for t in ts}) == sum(map(len, tokens))
     length = len(tokens[0])
     policy = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     counters = {"policy": PositionCounter(policy.base_model, length)}
@@ -101,10 +101,11 @@ def test_prompt_passes_separate_reference_model(tiny_model_path, mode):
     stock_steps = run(stock, separate_ref=True)
     extra = 1 if mode == "exact" else 0
     models = 2
-    # Step 1: generation + loss (policy; old-policy log-probs come from the loss pass) and reference scoring.
-    assert ours_steps[0] == {"policy": [2 + extra] * 2, "ref": [1, 1]}
-    assert ours_steps[0]["policy"][0] + ours_steps[0]["ref"][0] <= 1 + models + extra
-    # Step 2 (second iteration over the same completions): the loss pass only.
+    # Step 1: generation, whose prompt state the loss pass takes (old-policy log-probs come from the loss pass),
+    # and reference scoring.
+    assert ours_steps[0] == {"policy": [1 + extra] * 2, "ref": [1, 1]}
+    assert ours_steps[0]["policy"][0] + ours_steps[0]["ref"][0] <= models + extra
+    # Step 2 (second iteration over the same completions, after an update): the loss pass prefills again.
     assert ours_steps[1] == {"policy": [1 + extra] * 2, "ref": [0, 0]}
     # Stock: G times in each pass (generation, old log-probs, loss; reference).
     assert stock_steps[0] == {"policy": [3 * G] * 2, "ref": [G, G]}
@@ -119,6 +120,53 @@ def test_prompt_passes_peft_reference_is_the_same_model(tiny_model_path):
     )
     ours_steps = run(ours, separate_ref=False)
     stock_steps = run(stock, separate_ref=False)
-    # One network runs generation, the reference (adapters disabled), the loss and the exact reverse pass.
-    assert ours_steps[0] == {"policy": [4, 4]}
+    # One network runs generation (whose state the loss pass takes), the reference (adapters disabled) and the exact
+    # reverse pass.
+    assert ours_steps[0] == {"policy": [3, 3]}
     assert stock_steps[0] == {"policy": [4 * G] * 2}
+
+
+# Every family decodes against the engine's prompt state.
+DECODING_FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("family", DECODING_FAMILIES)
+def test_one_prefill_per_step_with_trl_defaults(tiny_model_path, family, mode):
+    """TRL's defaults (`beta=0`, `num_iterations=1`): the loss pass takes generation's prompt state, so the policy
+    runs each prompt once per step in detached mode and twice in exact mode (prefill, reverse); stock runs it G
+    times to generate and G times in the loss forward."""
+    stock, ours = make_pair(
+        tiny_model_path(family),
+        longstraw={"prompt_gradient": mode, "prefill_chunk_size": 4},
+        **settings(beta=0.0, num_iterations=1),
+    )
+    ours_steps = run(ours, separate_ref=False)
+    stock_steps = run(stock, separate_ref=False)
+    once = 1 if mode == "detached" else 2
+    assert ours_steps == [{"policy": [once, once]}] * 2
+    assert stock_steps == [{"policy": [2 * G, 2 * G]}] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_each_prompt_of_a_micro_batch_runs_once(tiny_model_path, k, mode):
+    """A micro-batch of k distinct prompts: the scoring pass keeps every prompt's state for the backward pass, so
+    each prompt is prefilled once per loss pass (not 2k-1 times for k prompts). Step 1 takes generation's states,
+    step 2 (the second iteration, after an update) prefills each prompt in the loss pass itself."""
+    prompts = ["a b c d e f g", "h i j k l m n", "o p q r s t u"][:k]
+    _, ours = make_pair(
+        tiny_model_path("llama"),
+        longstraw={"prompt_gradient": mode, "prefill_chunk_size": 4},
+        **settings(
+            prompts=prompts,
+            beta=0.0,
+            num_iterations=2,
+            per_device_train_batch_size=k * G,
+            gradient_accumulation_steps=1,
+        ),
+    )
+    once = 1 if mode == "detached" else 2
+    assert run(ours, separate_ref=False, prompts=prompts) == [{"policy": [once] * k}] * 2

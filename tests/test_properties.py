@@ -143,7 +143,7 @@ def engine_backward(mb, chunk_size: int, exact: bool) -> dict[str, torch.Tensor]
     """The training step's order: a scoring pass that keeps the last prompt state, then the backward."""
     e = engine(chunk_size)
     with torch.no_grad():
-        e.score(*inputs(mb), keep_last=True)
+        e.score(*inputs(mb), keep=True)
     e.backward(*inputs(mb), mb["grad_logps"], mb["grad_entropies"], exact=exact, backward_fn=torch.Tensor.backward)
     return parameter_grads()
 

@@ -265,13 +265,13 @@ def test_replay_does_not_write_the_prompt_state(fused_model):
     mb = random_micro_batch([13], [9, 1, 4], [0, 0, 0], VOCAB, seed=3)
     args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
     with torch.no_grad():
-        engine.score(*args, keep_last=True)
-    state = engine._kept[1]
+        engine.score(*args, keep=True)
+    (state,) = engine.held().values()
     before = [t.clone() for t in state.tensors()]
     seen = []
 
     def backward(loss):
-        seen.append(engine._kept[1])
+        seen.extend(engine.held().values())
         loss.backward()
 
     engine.backward(*args, torch.ones(mb["completion_ids"].shape), None, False, backward)

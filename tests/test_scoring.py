@@ -1,5 +1,7 @@
 """No-grad scoring: old-policy and reference log-probs through prompt-once scoring equal stock's."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from grpo_pair import generation_inputs, make_pair
@@ -115,13 +117,54 @@ def test_kept_state_is_not_reused_by_other_scoring(tiny_model_path):
     mb = scoring_batch(ours.model.config.vocab_size)
     engine = ours._engine(ours.model)
     with torch.no_grad():
-        engine.score(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"], keep_last=True)
-    assert engine._kept is not None
+        engine.score(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"], keep=True)
+    assert engine.held()
     with use_adapter(ours.accelerator.unwrap_model(ours.model), adapter_name=None):
         got = logps_of(ours, ours.model, mb)
     with use_adapter(stock.accelerator.unwrap_model(stock.model), adapter_name=None):
         ref = logps_of(stock, stock.model, mb)
     assert_scores_close(ref, got, mb["completion_mask"])
+
+
+def test_offered_state_is_taken_only_with_the_same_weights_position_and_boundaries(tiny_model_path):
+    """A state offered by generation (positions from 0) answers the loss pass's scoring of the unpadded prompt, with
+    the loss pass's scores, while the weights are unchanged; not for a padded row, nor after an in-place update, nor
+    without the chunk boundaries an exact pass needs (qwen3_5's recurrent layers)."""
+    _, ours = make_pair(tiny_model_path("qwen3_5"), longstraw={"prefill_chunk_size": 4})
+    engine = ours._engine(ours.model)
+    mb = random_micro_batch([11, 6], [5, 3, 4], [0, 1, 0], ours.model.config.vocab_size, seed=2)
+    batch = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
+    longest, shorter = group_prompts(mb["prompt_ids"], mb["prompt_mask"])
+    assert longest.pad == 0 and shorter.pad > 0
+
+    def score(**kwargs):
+        engine.stats.reset()
+        with torch.no_grad():
+            out = engine.score(*batch, **kwargs)
+        return out, engine.stats.prompt_positions
+
+    (expected, _), positions = score()
+    assert positions == 10 + 5
+    # Generation prefills the shorter prompt from position 0, not at its left padding as the loss pass does.
+    unpadded = replace(shorter, pad=0)
+    for boundaries in (False, True):
+        with torch.no_grad():
+            engine.offer(longest, engine.prefill(longest, boundaries=boundaries))
+            engine.offer(unpadded, engine.prefill(unpadded, boundaries=boundaries))
+        (logps, _), positions = score(keep=True, boundaries=True)
+        # The offer of the padded prompt's tokens at positions from 0 is not its state; boundaries are needed.
+        assert positions == (5 if boundaries else 15)
+        torch.testing.assert_close(logps, expected, atol=0, rtol=0)
+        engine.release()
+    with torch.no_grad():
+        engine.offer(longest, engine.prefill(longest))
+        next(ours.model.parameters()).add_(0)  # an in-place update, as an optimizer step makes
+    assert score(keep=True)[1] == 15
+    # Scoring without `reuse` (the reference model, the PEFT model with adapters disabled) never takes an offer.
+    engine.release()
+    with torch.no_grad():
+        engine.offer(longest, engine.prefill(longest))
+    assert score()[1] == 15 and engine.held()
 
 
 # ------------------------------------------------------------------------------------------------ old log-probs

@@ -119,7 +119,9 @@ def test_train_two_steps_with_generation(tiny_model_path, mode):
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2
-    assert all(entry["longstraw/prompt_positions"] > 0 for entry in logs)
+    # Each micro-batch holds one prompt, unpadded in its generation batch: the loss pass takes generation's state.
+    assert all(entry["longstraw/prompt_positions"] == 0 for entry in logs)
+    assert all(entry["longstraw/prompt_positions_reused"] > 0 for entry in logs)
     assert all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logs)
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     # The branches attend to their own keys in both modes, so the key projections always receive gradient.

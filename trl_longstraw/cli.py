@@ -27,6 +27,7 @@ from .config import LongStrawGRPOConfig
 from .recipe import (
     TINY_MODEL_PREFIX,
     LongStrawScriptArguments,
+    add_heldout_accuracy,
     build_dataset,
     check_rope_override,
     format_summary,
@@ -35,6 +36,7 @@ from .recipe import (
     resolve_model_path,
     reward_function,
     summarize,
+    warm_up,
 )
 from .tasks import TASK_NAMES
 from .trainer import LongStrawGRPOTrainer
@@ -263,6 +265,8 @@ def train(
     )
     # GRPOTrainer reads model_init_kwargs again only to build a reference model (beta > 0): give it the policy's.
     training_args.model_init_kwargs = model_init_kwargs if training_args.beta != 0.0 else None
+    if resume is None:  # a resumed run loads its trained weights from the checkpoint
+        warm_up(script_args, model, tokenizer, seed=training_args.seed)
 
     trainer = LongStrawGRPOTrainer(
         model=model,
@@ -273,6 +277,7 @@ def train(
         peft_config=get_peft_config(model_args),
     )
     trainer.base_model_name = model_args.model_name_or_path  # for the model card: not the tiny model's folder
+    add_heldout_accuracy(trainer, script_args, seed=training_args.seed)
     trainer.train(resume_from_checkpoint=resume)
 
     summary = summarize(trainer.state.log_history)
@@ -280,7 +285,8 @@ def train(
     summary["train_runtime_s"] = trainer.state.log_history[-1].get("train_runtime", float("nan"))
     summary["processes"] = trainer.accelerator.num_processes
     summary["shard_group"] = trainer._prompt_shards.world if trainer._prompt_shards is not None else 0
-    summary["prompt_tokens"] = describe_lengths(prompt_token_lengths(trainer, seed=training_args.seed))
+    if trainer.accelerator.is_main_process:  # the one that prints the summary
+        summary["prompt_tokens"] = describe_lengths(prompt_token_lengths(trainer, seed=training_args.seed))
     trainer.accelerator.print("\n" + format_summary(summary, script_args, training_args))
     # The final model and its card, whatever save_strategy says of checkpoints (as TRL's scripts do).
     trainer.save_model(training_args.output_dir)

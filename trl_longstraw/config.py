@@ -32,8 +32,10 @@ class LongStrawGRPOConfig(GRPOConfig):
             Spread each prompt's state over the ranks of a shard group: each rank keeps 1/W of the prompt chunks and
             attention over the prompt merges the ranks' parts. The ranks of a group must hold the same prompts in
             every micro-batch (different completions of them). State memory shrinks W times, and so does the
-            prompt attention of the prefill and reverse chunks; every attention layer of every pass exchanges
-            partial results. Gradients equal the unsharded ones up to float rounding.
+            prompt attention of the prefill and reverse passes; for llama-type models and Qwen3.5/3.6 the ranks also
+            split those passes' tokens (context parallelism: each rank runs 1/W of the prompt through every layer).
+            Every attention (and DeltaNet) layer of every pass exchanges partial results. Gradients equal the
+            unsharded ones up to float rounding.
         prompt_shard_group_size (`int`, *optional*, defaults to `0`):
             Ranks per shard group, consecutive in rank order (e.g. the GPUs of one node); `0` means all processes.
             Must divide the number of processes. Under FSDP2 only one group of all processes lets FSDP2 gather the
@@ -47,9 +49,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             MoE models (`glm_moe_dsa`, `qwen3_moe`): spread each MoE layer's experts over groups of this many ranks
             through transformers' expert parallelism (`DistributedConfig(ep_size=...)`, the model's
             `base_model_ep_plan`, all-to-all token exchange); every other parameter is sharded by FSDP2 over all
-            processes. Experts are never all-gathered. Needs `shard_prompt_state=True` over all processes (the
-            lockstep the experts' collectives need), must divide the number of processes and of experts, and
-            checkpoints need `save_only_model=True`. `1`: off. See `trl_longstraw/expert_parallel.py`.
+            processes. Experts are never all-gathered. Runs in the engine's lockstep (the prompt state sharded over all
+            processes, or not sharded), not with smaller shard groups; must divide the number of processes and of
+            experts; checkpoints need `save_only_model=True`. `1`: off. See `trl_longstraw/expert_parallel.py`.
         fsdp_cpu_offload (`bool`, *optional*, defaults to `False`):
             With `expert_parallel_size > 1` (transformers shards the model): FSDP2's `CPUOffloadPolicy`, i.e. the
             sharded parameters (the fp32 master weights when the model is loaded in fp32 and computes in bf16), their
@@ -68,7 +70,10 @@ class LongStrawGRPOConfig(GRPOConfig):
         shared_generation (`bool`, *optional*, defaults to `True`):
             On the transformers generation path (no vLLM), prefill each distinct prompt once and decode its G samples
             against that one state, instead of `model.generate` on G copies of the prompt. `False` generates with
-            transformers' own loop, as `GRPOTrainer` does. The vLLM paths are unchanged either way.
+            transformers' own loop, as `GRPOTrainer` does. The vLLM paths are unchanged either way. With
+            `shard_prompt_state`, the ranks of a shard group decode in lockstep against the sharded state (under FSDP,
+            only with one shard group of every process; otherwise generation falls back to `generate`, with a
+            warning). Generation settings it does not reproduce raise `ValueError` (see `generation.py`).
     """
 
     prompt_gradient: str = field(
@@ -127,8 +132,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=1,
         metadata={
             "help": "MoE models: spread each MoE layer's experts over groups of this many ranks with transformers' "
-            "expert parallelism (ep_size, all-to-all), the rest sharded by FSDP2. Needs shard_prompt_state=True over "
-            "all processes and save_only_model=True for checkpoints. 1: off."
+            "expert parallelism (ep_size, all-to-all), the rest sharded by FSDP2. Not with prompt shard groups "
+            "smaller than the world; checkpoints need save_only_model=True. 1: off."
         },
     )
     fsdp_cpu_offload: bool = field(

@@ -12,11 +12,11 @@ Token mixers see the other ranks' chunks of the round through collectives:
   gathered, each rank attends them to its own earlier chunks and, for the ranks after it in the round, to its own
   chunk's keys; the partial outputs and log-sum-exps go back to the query owners and merge there with the causal
   part (the branch-round exchange, plus one masked part);
-- Gated DeltaNet (`qwen3_5`): head-parallel (Ulysses). The conv inputs of the round's last `kernel - 1` positions of
-  each rank are gathered (`conv_histories`), each rank convolves its own tokens, then one all-to-all gives every rank
-  all the round's tokens of `H / W` heads (`to_heads`), which it runs chunk after chunk from the state at the start
-  of the round, as one process does; another all-to-all returns the outputs (`to_tokens`), and the chunk-end states
-  of the heads are gathered into whole records (`gather_heads`).
+- Gated DeltaNet (`qwen3_5`): head-parallel (Ulysses). One all-to-all (`exchange`) gives every rank the conv inputs
+  and gates of `H / W` heads for all the round's tokens; it convolves them and runs the delta rule chunk after chunk
+  from the conv history and state at the start of the round, as one process does; another all-to-all returns the
+  outputs to the token owners, and one all-gather (`gather`) joins the heads' end-of-chunk conv tails and states
+  into whole records.
 
 A round's tokens are split as the chunks fall: W chunks of `chunk_size`, and the last round's remainder evenly over
 the ranks (`plan_rounds`); a remainder shorter than W runs as one replicated chunk (every rank runs it, the path
@@ -76,6 +76,8 @@ def plan_rounds(n: int, chunk_size: int, world: int) -> list[list[tuple[int, int
     return rounds
 
 
+# The exchanges of `sharding` (`_ReturnTokens`, `_GatherTokens`) without their token padding; `sharding` imports the
+# engine (through `generation`), which imports this module, so they are not shared.
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -112,67 +114,20 @@ class _AllGather(torch.autograd.Function):
         return _all_to_all(grad, ctx.group).sum(0), None, None
 
 
-def _pad_tokens(x: torch.Tensor, t: int) -> torch.Tensor:
+def pad_tokens(x: torch.Tensor, t: int) -> torch.Tensor:
     """Zero-pads dim 0 of `x` to `t`."""
     if x.shape[0] == t:
         return x
     return torch.cat([x, x.new_zeros(t - x.shape[0], *x.shape[1:])])
 
 
-def to_heads(x: torch.Tensor, lengths: list[int], group) -> list[torch.Tensor]:
-    """Ulysses scatter: `x` `[T, H, ...]`, this rank's `T = lengths[rank]` tokens of all `H` heads, to the tokens of
-    every rank for this rank's `H / W` heads: a list over ranks `s` of `[lengths[s], H / W, ...]`. Collective,
-    differentiable; `H` must be a multiple of `W`."""
-    world, tmax = len(lengths), max(lengths)
-    heads = x.shape[1]
-    parts = _pad_tokens(x, tmax).reshape(tmax, world, heads // world, *x.shape[2:]).transpose(0, 1)
-    received = _AllToAll.apply(parts, group)  # [W, Tmax, H / W, ...], slice s: the tokens of rank s
-    return [received[s, :n] for s, n in enumerate(lengths)]
+def exchange(x: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all: `x` `[W, ...]`, slice `j` for rank `j` -> `[W, ...]`, slice `s` from rank `s`. Collective,
+    differentiable (the backward is the all-to-all of the gradients)."""
+    return _AllToAll.apply(x, group)
 
 
-def to_tokens(parts: list[torch.Tensor], lengths: list[int], rank: int, group) -> torch.Tensor:
-    """The inverse of `to_heads`: `parts[s]` `[lengths[s], H / W, ...]` (this rank's heads of rank `s`'s tokens)
-    -> this rank's tokens of all heads `[lengths[rank], H, ...]`. Collective, differentiable."""
-    world, tmax = len(lengths), max(lengths)
-    stacked = torch.stack([_pad_tokens(part, tmax) for part in parts])  # [W, Tmax, H / W, ...]
-    received = _AllToAll.apply(stacked, group)  # slice s: heads of rank s for this rank's tokens
-    heads = received.shape[2]
-    out = received.transpose(0, 1).reshape(tmax, world * heads, *received.shape[3:])
-    return out[: lengths[rank]]
-
-
-def gather_heads(x: torch.Tensor, world: int, group) -> torch.Tensor:
-    """`x` `[N, H / W, ...]` of every rank, joined along the head axis: `[N, H, ...]` (rank `s`'s heads at slice
-    `s`). Collective, differentiable."""
-    gathered = _AllGather.apply(x, world, group)  # [W, N, H / W, ...]
-    return gathered.transpose(0, 1).reshape(x.shape[0], world * x.shape[1], *x.shape[2:])
-
-
-def conv_histories(
-    inputs: torch.Tensor, history: torch.Tensor | None, width: int, lengths: list[int], rank: int, group
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The conv inputs that precede this rank's chunk, and each chunk's end-of-chunk conv tail, in a round.
-
-    Args:
-        inputs: `[T, C]` this rank's conv inputs (`T = lengths[rank]`).
-        history: `[C, width]` the last `width` conv inputs before the round (None: zeros, the start of the prompt).
-        width: `kernel - 1`.
-
-    Returns:
-        `(history of this rank's chunk [C, width], [tail of chunk s [C, width] for each rank s])`. Collective (one
-        all-gather of `[width, C]` per rank), differentiable.
-    """
-    world = len(lengths)
-    recent = inputs[inputs.shape[0] - min(inputs.shape[0], width) :]
-    gathered = _AllGather.apply(_pad_tokens(recent, width), world, group)  # [W, width, C]
-    start = inputs.new_zeros(width, inputs.shape[1]) if history is None else history.t().to(inputs.dtype)
-    window = [start]
-    tails = []
-    mine = None
-    for s, n in enumerate(lengths):
-        if s == rank:
-            mine = torch.cat(window)[-width:].t()
-        window.append(gathered[s, : min(n, width)])
-        tails.append(torch.cat(window)[-width:].t())
-        window = [torch.cat(window)[-width:]]
-    return mine, tails
+def gather(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """All-gather: `x` of every rank, stacked `[W, ...]`. Collective, differentiable (each rank's slice gets the sum of
+    every rank's share of its gradient)."""
+    return _AllGather.apply(x, world, group)

@@ -222,3 +222,10 @@ def fsdp2_gathered(model: torch.nn.Module, sync_pass: Callable[[], None] | None 
                 setattr(g, name, value)
         for m in modules:
             m.reshard()
+
+
+def fsdp2_offloads(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 keeps the shards of `model`'s parameters in host memory (`CPUOffloadPolicy`: accelerate's
+    `fsdp_offload_params`, or `DistributedConfig(fsdp_cpu_offload=True)` under expert parallelism)."""
+    root = fsdp2_root(model)
+    return root is not None and any(p.offload_to_cpu for g in _param_groups(root) for p in g.fsdp_params)

@@ -31,11 +31,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
 from .context_parallel import CPRound, plan_rounds
 from .distributed import agree_pass_counts, branch_model, finish_ddp, fsdp2_gathered, fsdp2_root
 from .offload import HostBoundaries
 from .rope import RotaryPin
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -311,6 +314,8 @@ class StepStats:
     """Timings and sizes of the engine work since the last reset, for logging."""
 
     prompt_positions: int = 0
+    # Positions of held states taken instead of prefilling (generation's offers).
+    reused_positions: int = 0
     prefill_s: float = 0.0
     replay_s: float = 0.0
     reverse_s: float = 0.0
@@ -318,6 +323,7 @@ class StepStats:
 
     def reset(self) -> None:
         self.prompt_positions, self.prefill_s, self.replay_s, self.reverse_s, self.state_bytes = 0, 0.0, 0.0, 0.0, 0
+        self.reused_positions = 0
 
 
 class Engine:
@@ -375,13 +381,66 @@ class Engine:
         # Per-call RoPE (dynamic, longrope): each call of `score` and `backward` rotates with the frequencies of
         # stock's one forward over its P + C positions.
         self.rope = RotaryPin(causal_lm)
-        # The state of the last prompt prefilled, reused when the next request is for the same prompt
-        # (scoring pass, then backward pass of the same micro-batch).
-        self._kept: tuple[tuple[int, bytes], PromptState] | None = None
+        # Prompt states held for a later pass over the same prompt with the same weights, oldest first: offered by
+        # generation (`offer`, flagged True) or kept by the scoring pass of a micro-batch for its backward pass. Each
+        # is stamped with the weights' version it was computed with (`weights_version`).
+        self._held: dict[tuple[int, bytes], tuple[int, PromptState, bool]] = {}
+        # Bytes that the held states other than the newest may take (None: no limit). The trainer sets it from the
+        # memory guard on GPU; the newest state is always held, as the loss pass holds one state anyway.
+        self.hold_budget: int | None = None
+        self._hold_warned = False
 
     def release(self) -> None:
-        """Drops the prompt state kept between the scoring and the backward pass of a micro-batch."""
-        self._kept = None
+        """Drops every held prompt state (kept by a scoring pass, or offered by generation)."""
+        self._held.clear()
+
+    def held(self) -> dict[tuple[int, bytes], PromptState]:
+        """The held prompt states by prompt key `(pad, token bytes)`, oldest first."""
+        return {key: state for key, (_, state, _) in self._held.items()}
+
+    def weights_version(self) -> int:
+        """A number that changes whenever a parameter of the model is modified in place (an optimizer step, loading
+        weights): the sum of the parameters' autograd version counters."""
+        return sum(p._version for p in self.causal_lm.parameters())
+
+    def offer(self, group: PromptGroup, state: PromptState) -> None:
+        """Holds `state`, the prefill of `group` with the current weights (generation's), for the loss pass.
+
+        The scoring pass of a micro-batch then takes it instead of prefilling the same prompt again, as long as the
+        weights have not changed (`weights_version`) and the state has the chunk boundaries the pass needs.
+        """
+        self._hold(_key(group), state, offered=True)
+
+    def _hold(self, key: tuple[int, bytes], state: PromptState, offered: bool = False) -> None:
+        """Holds `state` under `key`, dropping states of older weights, then the oldest ones beyond `hold_budget`."""
+        version = self.weights_version()
+        for old in [k for k, (v, _, _) in self._held.items() if v != version]:
+            del self._held[old]
+        self._held.pop(key, None)
+        self._held[key] = (version, state, offered)
+        if self.hold_budget is None:
+            return
+        # A budget of 0 holds the newest state only, whatever the others' sizes: sharded, the ranks hold different
+        # shares of each state, and must still agree on which states they hold.
+        while len(self._held) > 1 and (
+            self.hold_budget == 0 or sum(s.nbytes() for _, s, _ in list(self._held.values())[:-1]) > self.hold_budget
+        ):
+            del self._held[next(iter(self._held))]
+            if not self._hold_warned:
+                self._hold_warned = True
+                logger.warning(
+                    f"the prompt states of this step do not all fit in the {self.hold_budget / 2**30:.2f} GiB that "
+                    "the memory guard leaves for holding them: some prompts are prefilled again in the loss pass "
+                    "(once more per pass than with all states held). Shorter prompts, fewer distinct prompts per "
+                    "micro-batch and generation batch, or more GPU memory avoid it."
+                )
+
+    def _take(self, key: tuple[int, bytes], boundaries: bool) -> PromptState | None:
+        """The held state of `key` if it was computed with the current weights and has the `boundaries` needed."""
+        held = self._held.get(key)
+        if held is None or held[0] != self.weights_version() or (boundaries and not held[1].boundaries):
+            return None
+        return held[1]
 
     # ----------------------------------------------------------------------------------------------------- prompt
     def _backbone(self):
@@ -416,15 +475,25 @@ class Engine:
     ) -> PromptState:
         """Runs `tokens[:-1]` of the group without autograd, chunk by chunk, and returns its state.
 
-        With `keep`, the state stays referenced until the next prefill. With `reuse`, a kept state of the same prompt
-        is returned instead of prefilling again: only `backward` asks for it, right after the scoring pass of the same
-        micro-batch, so a state is never reused across a weight update or an adapter switch. With `boundaries`,
-        recurrent layers keep their state at every chunk boundary, as the exact-mode reverse pass needs.
+        With `reuse`, a held state of the same prompt (offered by generation or kept by this micro-batch's scoring
+        pass) computed with the current weights is returned instead of prefilling again; only the loss pass and the
+        deferred old-policy scoring ask for it, so a reference model's pass (or the PEFT model with adapters
+        disabled) never gets the policy's state. With `keep`, the state stays held (see `hold_budget`) until
+        `release`, a pass that takes it without `keep`, or a weight change; without `keep`, a reused state is no
+        longer held. With `boundaries`, recurrent layers keep their state at every chunk boundary, as the exact-mode
+        reverse pass needs.
         """
         key = _key(group)
-        if reuse and self._reusable(key, boundaries):
-            return self._kept[1]
-        self._kept = None
+        if reuse:
+            state = self._take(key, boundaries)
+            if state is not None:
+                version, _, offered = self._held.pop(key)
+                if offered:
+                    self.stats.reused_positions += sum(state.chunk_lengths)
+                    self.stats.state_bytes = max(self.stats.state_bytes, state.nbytes())
+                if keep:  # held again, as the newest, now kept by this pass
+                    self._held[key] = (version, state, False)
+                return state
         t0 = time.perf_counter()
         prefix = group.tokens[:-1]
         state = PromptState(boundaries=boundaries)
@@ -454,13 +523,12 @@ class Engine:
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.state_bytes = max(self.stats.state_bytes, state.nbytes())
         if keep:
-            self._kept = (key, state)
+            self._hold(key, state)
         return state
 
     def _reusable(self, key: tuple[int, bytes], boundaries: bool) -> bool:
-        """Whether `prefill(..., reuse=True)` of the prompt `key` returns the kept state instead of prefilling."""
-        kept = self._kept
-        return kept is not None and kept[0] == key and (kept[1].boundaries or not boundaries)
+        """Whether `prefill(..., reuse=True)` of the prompt `key` returns a held state instead of prefilling."""
+        return self._take(key, boundaries) is not None
 
     def _num_chunks(self, group: PromptGroup) -> int:
         """Prefill (and reverse) chunks of `group`'s prompt."""
@@ -470,15 +538,16 @@ class Engine:
         """Exact mode: back-propagates the gradient accumulated on the records through the prompt, last chunk first.
 
         Each chunk is recomputed with autograd; its records are freed once consumed, so the state shrinks as the pass
-        goes. Afterwards the state is spent and is not kept. Sharded, every rank recomputes every chunk and first
-        receives the recurrent records at the chunk's start from their owner (one broadcast per chunk and dtype).
+        goes. Afterwards the state is spent and is not kept. Sharded, every rank takes part in every pass (a chunk
+        that every rank recomputes, or a context-parallel round in which each recomputes its own chunk) and first
+        receives the recurrent records at the pass's start from their owner (one broadcast per pass and dtype).
 
-        Returns the number of chunks recomputed (chunks whose records received no gradient are skipped, unless
-        sharded).
+        Returns the number of passes run: chunks recomputed (chunks whose records received no gradient are skipped,
+        unless sharded), context-parallel rounds counting one each.
         """
         t0 = time.perf_counter()
         ran = 0
-        self._kept = None
+        self._held.pop(_key(group), None)
         prefix = group.tokens[:-1]
         passes = self._passes(prefix.shape[0])
         firsts = [0]  # the first chunk of each pass
@@ -611,8 +680,9 @@ class Engine:
                 return
             with self.autocast():
                 hidden = self._backbone()(input_ids=ids, position_ids=ids, use_cache=False).last_hidden_state
-        if kind == REVERSE:
-            torch.autograd.backward(hidden, torch.zeros_like(hidden))
+            if kind == REVERSE:
+                # Inside the pass and the adapter: gradient checkpointing recomputes the layers during backward.
+                torch.autograd.backward(hidden, torch.zeros_like(hidden))
 
     def _pad(self, slot: Slot, kind: int, done: int, device, backward_fn=None) -> None:
         """Data-parallel lockstep: fillers that bring the `done` passes of `kind` this rank ran for `slot` to the
@@ -643,7 +713,7 @@ class Engine:
         """
         if self.lockstep:
             work = [(g, rs, passes(g, rs)) for g, rs in zip(groups, rows, strict=True) if rs]
-            pinned = int(bool(work) and self._kept is not None and _key(work[0][0]) == self._kept[0])
+            pinned = int(bool(work) and _key(work[0][0]) in self._held)
             work[pinned:] = sorted(work[pinned:], key=lambda item: sum(item[2]))
             agreed = agree_pass_counts([counts for _, _, counts in work], len(lengths), device)
             work = [(g, rs) for g, rs, _ in work]
@@ -666,15 +736,18 @@ class Engine:
         prompt_mask: torch.Tensor,
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
-        keep_last: bool = False,
+        keep: bool = False,
         batch_tokens: int = 0,
         boundaries: bool = False,
+        reuse: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs and entropies `[B, C]` of the completions, without autograd.
 
         Zero where `completion_mask` is zero, as TRL's fused LM head returns them. Entropies are `None` when the
-        model's fused head does not compute them. With `keep_last`, the last prompt state stays for `backward`;
-        pass `boundaries=True` when that backward is exact, so that the state can be reused.
+        model's fused head does not compute them. With `keep`, each prompt's state stays held for `backward` (the
+        last one always, earlier ones within `hold_budget`); pass `boundaries=True` when that backward is exact, so
+        that the states can be reused. With `reuse`, held states of the current weights (generation's offers) are
+        taken instead of prefilling: the policy's passes only.
         With `batch_tokens > 0`, the branches of one prompt run in batches of at most that many (padded) tokens
         against its state, a single longer branch alone (old-policy and reference log-probs), if the adapter
         declares `batches_branches`; with 0, or for other adapters, each branch runs alone, exactly as `backward`
@@ -683,9 +756,9 @@ class Engine:
         length = prompt_ids.shape[1] + completion_ids.shape[1]
         with fsdp2_gathered(self.model, per_pass=self.fsdp_per_pass), self.rope.pinned(length):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
-            return self._score(*prompt, *completion, keep_last, batch_tokens, boundaries)
+            return self._score(*prompt, *completion, keep, reuse, batch_tokens, boundaries)
 
-    def _score(self, prompt_ids, prompt_mask, completion_ids, completion_mask, keep_last, batch_tokens, boundaries):
+    def _score(self, prompt_ids, prompt_mask, completion_ids, completion_mask, keep, reuse, batch_tokens, boundaries):
         lengths = completion_lengths(completion_mask)
         logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
         entropies = torch.zeros_like(logps)
@@ -695,14 +768,20 @@ class Engine:
         batched = batch_tokens > 0 and self.shards is None and getattr(self.adapter, "batches_branches", False)
 
         def passes(group: PromptGroup, rows: list[int]) -> tuple[int, int, int]:
+            # A held state may still be dropped by the prefill of an earlier prompt (`hold_budget`): the agreed
+            # count assumes a prefill, and a prompt whose held state is taken runs fillers instead (one token each).
             branches = len(pack_rows(rows, lengths, batch_tokens)) if batched else len(rows)
             return self._num_chunks(group), branches, 0
 
         rows = [[r for r in g.rows if lengths[r] > 0] for g in groups]
         for slot in self._schedule(groups, rows, lengths, passes, device):
             group = slot.group
-            state = PromptState() if group is None else self.prefill(group, keep=keep_last, boundaries=boundaries)
-            self._pad(slot, PREFILL, state.num_chunks, device)
+            taken = group is not None and (reuse or keep) and self._reusable(_key(group), boundaries)
+            if group is None:
+                state = PromptState()
+            else:
+                state = self.prefill(group, keep=keep, reuse=reuse or keep, boundaries=boundaries)
+            self._pad(slot, PREFILL, 0 if taken else state.num_chunks, device)
             t0 = time.perf_counter()
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), torch.no_grad(), use_pass(p):
@@ -776,9 +855,13 @@ class Engine:
             for g in groups
         ]
         device = prompt_ids.device
-        # Start with the prompt whose state the scoring pass left behind (the sharded order is agreed, then sorted).
-        first = sorted(range(len(groups)), key=lambda i: self._kept is None or _key(groups[i]) != self._kept[0])
-        groups, live = [groups[i] for i in first], [live[i] for i in first]
+        # Last scored first: the states the scoring pass kept are held newest first, and beyond `hold_budget` the
+        # oldest were dropped. Sharded, the agreed order is sorted by the held states, the same on every rank.
+        groups, live = groups[::-1], live[::-1]
+        newest = {key: i for i, key in enumerate(reversed(list(self._held)))}
+
+        def held_first(group: PromptGroup) -> int:
+            return newest.get(_key(group), len(newest))
 
         def passes(group: PromptGroup, rows: list[int]) -> tuple[int, int, int]:
             chunks = self._num_chunks(group)
@@ -789,8 +872,8 @@ class Engine:
             for slot in self._schedule(groups, live, lengths, passes, device)
             if self.shards is not None or slot.passes is not None or slot.rows
         ]
-        if self.shards is not None and self._kept is not None:
-            schedule.sort(key=lambda slot: _key(slot.group) != self._kept[0])
+        if self.shards is not None:
+            schedule.sort(key=lambda slot: held_first(slot.group))
         for slot in schedule:
             group = slot.group
             if group is None:
@@ -799,7 +882,9 @@ class Engine:
                 self._pad(slot, REVERSE, 0, device)
                 continue
             reused = self._reusable(_key(group), exact)
-            state = self.prefill(group, keep=True, reuse=True, boundaries=exact)
+            # A prompt prefilled here is not held: holding it could drop a held state that a later prompt of this
+            # call was planned to reuse.
+            state = self.prefill(group, keep=reused, reuse=True, boundaries=exact)
             self._pad(slot, PREFILL, 0 if reused else state.num_chunks, device)
             if exact:
                 state.requires_grad_()
@@ -820,7 +905,7 @@ class Engine:
                 self._pad(slot, BRANCH, done, device, backward_fn)
             self.stats.replay_s += time.perf_counter() - t0
             self._pad(slot, REVERSE, self.reverse(group, state) if exact else 0, device)
-        self._kept = None
+            self._held.pop(_key(group), None)
 
 
 def _key(group: PromptGroup) -> tuple[int, bytes]:

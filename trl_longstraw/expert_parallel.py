@@ -16,23 +16,26 @@ library's, maintained with the models; the engine only has to run the model's la
 accept.
 
 How it fits the engine's passes. The experts' all-to-alls are collectives of the EP group inside every MoE layer's
-forward and backward, so every rank of an EP group must run the same passes in the same order. The sharded prompt
-state over all processes (`shard_prompt_state=True`, `prompt_shard_group_size: 0`) gives exactly that lockstep: every
-rank runs every prefill and reverse chunk, and branches in rounds (a rank short of completions runs a zero-weight
-one-token branch). It also makes FSDP2 gather the other parameters layer by layer (`distributed.fsdp2_gathered`
-with `per_pass`), so no rank ever holds the whole model. Both are required.
+forward and backward, so every rank must run the same passes in the same order, which the engine already does for
+per-layer FSDP2 in two ways (`Engine.fsdp_per_pass`), both of which FSDP2 then gathers layer by layer:
 
-- *Replicated passes* (prefill and reverse chunks): every rank sends the same chunk tokens to the experts, so an
-  expert's rank computes them once per rank of the group (the token-wise compute of these passes is replicated
-  anyway). In the backward each rank sends back its own share of the output gradient (the engine's replicated passes
-  back-propagate per-rank shares), and the expert's gradient sums the shares, as the data-parallel reduction sums
-  them for every other parameter.
-- *Branch rounds*: each rank routes its own completion's tokens: the all-to-all's own use case.
+- the prompt state sharded over all processes (`shard_prompt_state=True`, `prompt_shard_group_size: 0`): every rank
+  runs every prefill and reverse chunk, and branches in rounds (a rank short of completions runs a zero-weight
+  one-token branch). In *replicated* prefill and reverse chunks (GLM's MLA + DSA) every rank sends the same chunk
+  tokens to the experts, so an expert's rank computes them once per rank of the group (the token-wise compute of
+  these passes is replicated anyway); in the backward each rank returns its own share of the output gradient (the
+  engine's replicated passes back-propagate per-rank shares), and the expert's gradient sums the shares, as the
+  data-parallel reduction does for every other parameter. In *context-parallel* chunks (attention-only models such as
+  Qwen3-MoE) and in branch rounds each rank routes its own tokens: the all-to-all's own use case;
+- without a sharded state, the data-parallel lockstep: the ranks agree on the number of passes of each kind per
+  prompt and pad theirs with one-token filler passes, each of which runs the MoE layers and their all-to-alls too.
 
-transformers' `ep_implementation="all_reduce"` (every rank runs its own experts on a batch that the EP group shares,
-outputs summed) would fit the replicated passes without the duplicate expert compute, but not the branch rounds, where
-the ranks hold different completions; transformers also accepts it only when the EP group is a tensor-parallel group
-(`ep_size == tp_size`), which the engine does not use. So the trainer always asks for `"all_to_all"`.
+Shard groups smaller than the world run different passes and are refused. transformers'
+`ep_implementation="all_reduce"` (every rank runs its own experts on a batch the EP group shares, outputs summed)
+would fit the replicated chunks without the duplicate expert compute, but not branch rounds, context-parallel chunks
+or the data-parallel passes, where the ranks hold different tokens; transformers also accepts it only when the EP
+group is a tensor-parallel group (`ep_size == tp_size`), which the engine does not use. So the trainer always asks
+for `"all_to_all"`.
 
 Host memory (`fsdp_cpu_offload: true`): transformers' `DistributedConfig(fsdp_cpu_offload=True)`, i.e. FSDP2's
 `CPUOffloadPolicy` on every `fully_shard` (experts included): the sharded parameters, their gradients and the
@@ -81,9 +84,9 @@ def check_args(args, world_size: int) -> None:
     """The settings expert parallelism needs, before anything is loaded. `args` is a `LongStrawGRPOConfig`.
 
     Raises:
-        ValueError: naming the fix, when the EP size does not divide the processes, the prompt state is not sharded
-            over all of them (the lockstep the experts' collectives need), or checkpoints would need the optimizer
-            state.
+        ValueError: naming the fix, when the EP size does not divide the processes, the prompt state is sharded over
+            groups smaller than the world (which run different passes, where the experts' collectives need all ranks
+            in lockstep), or checkpoints would need the optimizer state.
     """
     ep = args.expert_parallel_size
     if ep <= 1:
@@ -94,11 +97,12 @@ def check_args(args, world_size: int) -> None:
             f"(8), or all {world_size} processes."
         )
     group = args.prompt_shard_group_size
-    if not args.shard_prompt_state or group not in (0, world_size):
+    if args.shard_prompt_state and group not in (0, world_size):
         raise ValueError(
-            "expert_parallel_size > 1 needs every rank to run the same passes in the same order (the experts' "
-            "all-to-alls are collectives inside every MoE layer): set shard_prompt_state=True with "
-            "prompt_shard_group_size=0 (one shard group of all processes)."
+            f"expert_parallel_size > 1 needs every rank to run the same passes in the same order (the experts' "
+            f"all-to-alls are collectives inside every MoE layer), which shard groups of {group} of the "
+            f"{world_size} processes do not: set prompt_shard_group_size=0 (one shard group of all processes), or "
+            "shard_prompt_state=False (the data-parallel lockstep)."
         )
     if args.save_strategy != "no" and not args.save_only_model:
         raise ValueError(

@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 from transformers.generation import GenerationMode
 from trl.trainer.utils import pad
 
+from .distributed import fsdp2_gathered
 from .engine import Engine, Pass, PromptGroup, PromptState, use_pass
 
 SUPPORTED_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
@@ -138,7 +139,12 @@ def check_generation_config(config: GenerationConfig) -> None:
 
 
 def shared_prompt_decoder(
-    engine: Engine, prompt: torch.Tensor, longest: int | None = None, rows_per_rank: list[int] | None = None
+    engine: Engine,
+    prompt: torch.Tensor,
+    longest: int | None = None,
+    rows_per_rank: list[int] | None = None,
+    offer: bool = False,
+    boundaries: bool = False,
 ) -> Callable:
     """A `custom_generate` callable for `model.generate` that decodes rows which all hold `prompt`.
 
@@ -152,6 +158,10 @@ def shared_prompt_decoder(
             of the shard group, which decode in lockstep: every step is a branch round of those rows, and the ranks
             step until every rank's rows are done (a rank whose rows finished early appends padding, as stock does
             after EOS, which `trim_after_eos` drops).
+        offer: hand the prompt state to the engine's next loss pass (`Engine.offer`), which then does not prefill
+            this prompt again while the weights are unchanged. Its positions start at 0, as a loss-pass row whose
+            prompt has no left padding.
+        boundaries: prefill with the recurrent chunk boundaries (an offer to an exact-mode loss pass).
     """
     longest = longest or prompt.shape[0]
     shards = engine.shards
@@ -169,20 +179,30 @@ def shared_prompt_decoder(
         **model_kwargs,
     ) -> torch.LongTensor:
         """Mirrors `GenerationMixin._sample` (no streamer, no dict output). `input_ids` `[G, P]` -> `[G, P + T]`."""
-        if synced_gpus:
+        if synced_gpus and not (shards is not None and shards.world == dist.get_world_size()):
             raise ValueError(
-                "shared-prompt generation does not run in lockstep across processes (FSDP or ZeRO-3 generation "
-                "needs synced_gpus): set shared_generation=False in LongStrawGRPOConfig."
+                "shared-prompt generation runs in lockstep across processes (as FSDP generation needs, synced_gpus) "
+                "only with the prompt state sharded over every process: set shard_prompt_state=True with "
+                "prompt_shard_group_size=0, or shared_generation=False in LongStrawGRPOConfig."
             )
         if streamer is not None:
             raise ValueError("shared-prompt generation does not stream: remove the streamer.")
+        # Under FSDP2 (then in lockstep: synced_gpus) the root's own parameters stay gathered, as the prefill calls
+        # the backbone, and the layers gather pass by pass.
+        with fsdp2_gathered(engine.model, per_pass=True):
+            return _decode(input_ids, logits_processor, stopping_criteria, generation_config)
+
+    def _decode(input_ids, logits_processor, stopping_criteria, generation_config: GenerationConfig):
         rows, width = input_ids.shape
         pad_token_id = generation_config._pad_token_tensor
         has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
         unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
         # Positions as generate derives them from the attention mask: the first real prompt token is at 0.
+        group = PromptGroup(tokens=prompt, pad=0, rows=list(range(rows)))
         with engine.rope.pinned(longest):
-            state = engine.prefill(PromptGroup(tokens=prompt, pad=0, rows=list(range(rows))))
+            state = engine.prefill(group, boundaries=boundaries)
+        if offer:
+            engine.offer(group, state)
         tail = engine.adapter.decode_tail(generation_config.max_length - width)
         step_ids = prompt[-1:].expand(rows)
         position = prompt.shape[0] - 1
@@ -253,6 +273,7 @@ def generate_shared(
     eos_token_ids: list[int],
     pad_to_multiple_of: int | None,
     device: torch.device,
+    offer_boundaries: bool | None = None,
 ) -> list[list[int]]:
     """Completions of `prompt_ids` (one list of token ids per row), one `generate` call per distinct prompt.
 
@@ -265,6 +286,9 @@ def generate_shared(
         model: the model `generate` is called on (unwrapped, PEFT adapters active).
         engine: the engine of that model.
         generation_config: the trainer's generation config; checked with `check_generation_config`.
+        offer_boundaries: unless None, the state of every prompt that the loss pass runs at the same positions (one
+            without left padding in the batch) is offered to it (`Engine.offer`), prefilled with chunk boundaries if
+            True (exact mode). Shorter prompts are prefilled again by the loss pass, at their padded positions.
     Returns:
         Per row, the generated ids up to and including the first EOS.
     """
@@ -293,7 +317,15 @@ def generate_shared(
     most_steps = -1
     for (tokens, rows), counts in zip(items, rows_per_rank, strict=True):
         engine.rope.restore(start)
-        decoder = shared_prompt_decoder(engine, torch.tensor(tokens, device=device), longest, counts)
+        offer = offer_boundaries is not None and len(tokens) == padded.shape[1]
+        decoder = shared_prompt_decoder(
+            engine,
+            torch.tensor(tokens, device=device),
+            longest,
+            counts,
+            offer=offer,
+            boundaries=bool(offer_boundaries),
+        )
         out = model.generate(
             input_ids=padded[rows], attention_mask=mask[rows], generation_config=config, custom_generate=decoder
         )

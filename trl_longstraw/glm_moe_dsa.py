@@ -295,29 +295,77 @@ def sharded_select_topk(
         return _dense_selection(s, prefix_len, prefix_len + max(shards.lengths), topk, q.device)
     held = [(starts[c], keys) for c, keys in enumerate(prefix_keys) if keys is not None]
     key_block = min(INDEX_KEY_BLOCK, max(1, sum(keys.shape[0] for _, keys in held)))
-    world, tmax = shards.world, max(shards.lengths)
     if shards.same_queries:
         # Every rank runs these queries: score them against this rank's chunks, then gather every rank's candidates.
         values, keys = _running_topk(q, weights, _key_blocks(held, key_block), None, topk, scale, key_block)
         values, keys = _pad_columns(values, keys, topk)
         values, keys = (gather_tokens(x, shards) for x in (values, keys))  # [W, S, topk]
     else:
-        everyone = gather_tokens(q, shards).flatten(0, 1)  # [W * Tmax, H, D]
-        everyone_weights = gather_tokens(weights, shards).flatten(0, 1)
-        blocks = _key_blocks(held, key_block)
-        values, keys = _running_topk(everyone, everyone_weights, blocks, None, topk, scale, key_block)
-        values, keys = _pad_columns(values, keys, topk)
-        values = return_tokens(values.view(world, tmax, topk), shards)  # [W, S, topk]
-        keys = return_tokens(keys.view(world, tmax, topk), shards)
-    # [W, S, topk] candidates of each rank -> [S, W * topk], in key order (no key last).
-    values = values.transpose(0, 1).reshape(s, world * topk)
-    keys = keys.transpose(0, 1).reshape(s, world * topk)
-    order = torch.where(keys < 0, prefix_len, keys).argsort(dim=1, stable=True)
-    values, keys = values.gather(1, order), keys.gather(1, order)
+        values, keys = _round_candidates(q, weights, held, key_block, topk, scale, shards)
+    values, keys = _in_key_order(values, keys, prefix_len)
     own_block = min(INDEX_KEY_BLOCK, s)
     blocks = _key_blocks([(prefix_len, own_keys)], own_block)
     merged = _running_topk(q, weights, blocks, prefix_len, topk, scale, own_block, initial=(values, keys))
     return _selection(*merged, width)
+
+
+def _round_candidates(q, weights, held, key_block: int, topk: int, scale: float, shards: PromptShards):
+    """In a branch round: every rank's queries `q` `[S, H, D]` (head weights `[S, H]`) are gathered, scored against
+    this rank's chunks `held` (`(first key number, keys)`), and each rank's best `topk` go back to the query owners.
+    Returns `(values, keys)` `[W, S, topk]`, rank by rank, `(-inf, -1)` for none."""
+    world, tmax = shards.world, max(shards.lengths)
+    everyone = gather_tokens(q, shards).flatten(0, 1)  # [W * Tmax, H, D]
+    everyone_weights = gather_tokens(weights, shards).flatten(0, 1)
+    blocks = _key_blocks(held, key_block)
+    values, keys = _running_topk(everyone, everyone_weights, blocks, None, topk, scale, key_block)
+    values, keys = _pad_columns(values, keys, topk)
+    values = return_tokens(values.view(world, tmax, topk), shards)  # [W, S, topk]
+    keys = return_tokens(keys.view(world, tmax, topk), shards)
+    return values, keys
+
+
+def _in_key_order(values: torch.Tensor, keys: torch.Tensor, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[W, S, topk]` candidates of each rank -> `[S, W * topk]`, in key order (no key last)."""
+    world, s, topk = values.shape
+    values = values.transpose(0, 1).reshape(s, world * topk)
+    keys = keys.transpose(0, 1).reshape(s, world * topk)
+    order = torch.where(keys < 0, prefix_len, keys).argsort(dim=1, stable=True)
+    return values.gather(1, order), keys.gather(1, order)
+
+
+def sharded_decode_select_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    prompt_keys: list[torch.Tensor | None],
+    starts: list[int],
+    row_keys: torch.Tensor,
+    topk: int,
+    scale: float,
+    shards: PromptShards,
+) -> torch.Tensor:
+    """`decode_select_topk` against a prompt whose chunks are spread over the ranks of `shards`, in a branch round
+    (`shards.lengths[r]` rows on rank `r`): the top-k over the prompt is global (`sharded_select_topk`'s exchange),
+    then merged with each row's tail. Collective, for the same layer and step on every rank.
+
+    Args:
+        prompt_keys: index keys `[n_c, D]` of each prompt chunk, None for chunks held by other ranks.
+        starts: the first key number of each prompt chunk, then the prompt length.
+        row_keys: `[G, t, D]` each row's keys after the prompt, its current token's last (`t` the same on every rank).
+
+    Returns:
+        `[G, min(topk, P + t)]`, numbered as in `decode_select_topk`.
+    """
+    prefix_len, t = starts[-1], row_keys.shape[1]
+    total = prefix_len + t
+    if total <= topk:  # the same on every rank, so either all communicate or none
+        return torch.arange(total, device=q.device)[None, :].expand(q.shape[0], -1)
+    held = [(starts[c], keys) for c, keys in enumerate(prompt_keys) if keys is not None]
+    key_block = min(INDEX_KEY_BLOCK, max(1, sum(keys.shape[0] for _, keys in held)))
+    values, keys = _in_key_order(*_round_candidates(q, weights, held, key_block, topk, scale, shards), prefix_len)
+    scores = torch.relu(torch.matmul(q.float(), row_keys.float().transpose(1, 2)) * scale)  # [G, H, t]
+    values = torch.cat([values, torch.matmul(weights[:, None, :], scores)[:, 0]], dim=1)
+    keys = torch.cat([keys, torch.arange(prefix_len, total, device=q.device)[None, :].expand(q.shape[0], -1)], dim=1)
+    return _selection(*_keep_topk(values, keys, topk), min(topk, total))
 
 
 def reference_select(index_scores: torch.Tensor, query_start: int, topk: int) -> torch.Tensor:
@@ -605,13 +653,24 @@ def decode_select_topk(
         topk: `index_topk` of the config; scale: indexer softmax scale.
 
     Returns:
-        `[G, min(topk, P + t)]` key numbers, the prompt's `[0, P)` then row `g`'s tail from `P`, `-1` for none.
+        `[G, min(topk, P + t)]` key numbers, the prompt's `[0, P)` then row `g`'s tail from `P`, `-1` for none. On
+        CUDA, the Triton selection of `dsa_kernels` (one launch per row), with this code as its reference.
     """
     prefix_len = sum(part.shape[0] for part in prompt_keys)
     g, t = row_keys.shape[:2]
     total = prefix_len + t
     if total <= topk:
         return torch.arange(total, device=q.device)[None, :].expand(g, -1)
+    if dsa_kernels is not None and dsa_kernels.enabled(q):
+        # The kernels' selection row by row: the prompt's chunks and the row's tail are its key parts, its token last.
+        return torch.cat(
+            [
+                dsa_kernels.select_topk(
+                    q[r : r + 1], weights[r : r + 1], [*prompt_keys, row_keys[r]], total - 1, topk, scale
+                )
+                for r in range(g)
+            ]
+        )
     numbers = torch.arange(prefix_len, total, device=q.device)[None, :].expand(g, -1)
     # The tail's scores, per row, by the operations of `_index_scores` (stock's at decode).
     scores = torch.relu(torch.matmul(q.float(), row_keys.float().transpose(1, 2)) * scale)  # [G, H, t]
@@ -740,22 +799,35 @@ def _decode_attention_forward(
             raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
         p.emit(self.layer_idx, (kv[:, None],))
     ((tail_kv, *tail_index),) = p.tail.records(self.layer_idx)  # [G, t, ...], this step's token last
+    # Key numbers of the prompt's chunks; with a sharded state, `prompt` holds None for chunks of other ranks.
+    starts = p.chunk_starts()
     if self.indexer is not None:
         with torch.no_grad():
             args = (self.indexer.index_topk, self.indexer.softmax_scale)
-            prompt_keys = [record[1] for record in prompt]
-            sel = decode_select_topk(index_q[:, 0], index_weights[:, 0], prompt_keys, tail_index[0], *args)
+            prompt_keys = [None if record is None else record[1] for record in prompt]
+            if p.shard is None:
+                sel = decode_select_topk(index_q[:, 0], index_weights[:, 0], prompt_keys, tail_index[0], *args)
+            else:
+                queries = (index_q[:, 0], index_weights[:, 0])
+                sel = sharded_decode_select_topk(*queries, prompt_keys, starts, tail_index[0], *args, p.shard)
     else:
         sel = prev_topk_indices
     # The rows' tails as one part after the prompt's chunks: row r's key P + j is row r * t + j of that part.
-    prefix_len, t = sum(record[0].shape[0] for record in prompt), tail_kv.shape[1]
+    prefix_len, t = starts[-1], tail_kv.shape[1]
     rows = torch.arange(g, device=sel.device)[:, None]
     flat = torch.where(sel >= prefix_len, sel + rows * t, sel)
     w_kv = _dense_weight(self.kv_b_proj, like=q_pass).view(heads, nope + self.v_head_dim, self.kv_lora_rank)
     q_lat = torch.einsum("ghd,hdr->ghr", q_pass[:, :, 0], w_kv[:, :nope])
     (q_abs,) = autocast_inputs(torch.cat([q_lat, q_rot[:, :, 0]], dim=-1))  # [G, H, R + Dr]
-    kv_parts = [record[0] for record in prompt] + [tail_kv.reshape(g * t, -1)]
-    o_lat = sparse_latent_attention(q_abs, kv_parts, flat, self.scaling, self.kv_lora_rank)
+    tails = tail_kv.reshape(g * t, -1)
+    if p.shard is None:
+        kv_parts = [record[0] for record in prompt] + [tails]
+        o_lat = sparse_latent_attention(q_abs, kv_parts, flat, self.scaling, self.kv_lora_rank)
+    else:
+        # The tails play the queries' own tokens: the prompt parts merge across the ranks, the tails stay here.
+        prefix_kv = [None if record is None else record[0] for record in prompt]
+        args = (self.scaling, self.kv_lora_rank, p.shard)
+        o_lat = sharded_latent_attention(q_abs, prefix_kv, starts, tails, flat, *args)
     out = torch.einsum("ghr,hvr->ghv", o_lat, w_kv[:, nope:]).reshape(g, 1, heads * self.v_head_dim)
     return self.o_proj(out), None, sel
 
@@ -770,6 +842,9 @@ class GlmMoeDsaAdapter:
     # Every record is per token: MLA rows and index keys shard by chunk, and the DSA top-k is taken across the shards
     # (`sharded_select_topk`, `sharded_latent_attention`).
     shards_prompt_state = True
+    # Decoding against a sharded state too: `sharded_decode_select_topk`, then `sharded_latent_attention` with the
+    # rows' tails as their own tokens.
+    decodes_sharded = True
 
     def __init__(self, causal_lm: PreTrainedModel):
         config = causal_lm.config.get_text_config()

@@ -84,11 +84,15 @@ def runtime_budget(
     gpus: int,
     fsdp: bool,
     gpu_memory: int,
+    offload: bool = False,
 ) -> Budget:
     """The planner's estimate of a training step of `causal_lm` as the trainer runs it.
 
     Parameter counts and byte sizes come from the live model (`requires_grad` decides what trains; gradients and
-    AdamW's two moments take the trainable parameters' dtype); the rest from `args` (a `LongStrawGRPOConfig`).
+    AdamW's two moments take the trainable parameters' dtype); the rest from `args` (a `LongStrawGRPOConfig`:
+    expert parallelism from `expert_parallel_size`, the boundary states' host memory from
+    `offload_boundary_states`). `offload`: FSDP2 keeps its shards in host memory (`CPUOffloadPolicy`, by accelerate's
+    `fsdp_offload_params` or `fsdp_cpu_offload`).
     """
     from .plan import Setup, estimate, model_stats
 
@@ -115,6 +119,10 @@ def runtime_budget(
         grad_bytes=weight_bytes,
         optimizer_bytes=2 * weight_bytes,
         compute_bytes=compute_bytes,
+        expert_parallel=getattr(args, "expert_parallel_size", 1) > 1,
+        ep_size=getattr(args, "expert_parallel_size", 1) if getattr(args, "expert_parallel_size", 1) > 1 else 0,
+        offload=offload,
+        offload_boundary_states=bool(getattr(args, "offload_boundary_states", False)),
     )
     return estimate(stats, setup)
 

@@ -285,10 +285,40 @@ def kept_attention(config) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------------------------------- model
 # Activation bytes of one layer, per token, as a multiple of the inputs and outputs of its matmuls (nn.Linear,
-# nn.Conv1d, and the `top_k` active experts of fused MoE weights). The multiple covers norms, activation functions and
-# attention internals. Calibrated on the saved tensors of stock layers (CPU, tiny shapes): llama 1.2x, glm_moe_dsa
-# 1.9x; the CPU fallback of Gated DeltaNet saves 2.8x, the fla kernels used on GPU far less.
-ACTIVATION_MULTIPLE = 2
+# nn.Conv1d, and the `top_k` active experts of fused MoE weights) in the compute dtype, `(no grad, with autograd)`.
+# The multiple covers norms, activation functions and attention internals. No grad: what one layer's forward holds at
+# once (the prefill). With autograd: the recomputed layer's saved tensors and the gradients its backward allocates
+# (the reverse pass's autograd buffers; a branch replay's too). Calibrated on every step of the GPU check (H200,
+# bf16, real-width slices, chunks of 16,384): the peak beyond the weights, gradients, prompt state and checkpointed
+# layer inputs, per token and matmul element, is the same within 2% at every prompt length of a family; these are its
+# largest values rounded up to 0.05 (`python benchmarks/calibrate_planner.py` prints them, benchmarks/CALIBRATION.md).
+# Those runs used the torch fallbacks of Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the
+# fla and Triton kernels hold less. Model types without their own entry use the KV-cache families' (llama's).
+ACTIVATION_MULTIPLES = {
+    "llama": (1.25, 1.75),
+    "glm_moe_dsa": (1.25, 2.8),
+    "qwen3_5_text": (1.8, 3.2),
+    "qwen3_5": (1.8, 3.2),
+}
+
+
+def score_tiles(stats: ModelStats, compute_bytes: int, queries: int, autograd: bool, device: str = "cuda") -> int:
+    """Bytes of the fp32 score tiles `[queries, Hq, KEY_BLOCK]` that prefix-merge attention's portable path holds for
+    `queries` query tokens: scores and probabilities in the forward, also their gradients in the backward (4 tiles
+    with autograd, 3 without, counting a temporary). The portable path runs where no fused kernel takes the inputs:
+    fp32 on CUDA, or heads wider than 256 or not a multiple of 8 (`attention._kernel_for`; on CPU its flash kernel
+    takes every width). 0 for GLM's sparse MLA, which does not use prefix-merge attention, and where a kernel runs."""
+    from .attention import KEY_BLOCK
+
+    kernel = device == "cpu" or (compute_bytes == 2 and stats.head_dim <= 256 and stats.head_dim % 8 == 0)
+    if kernel or stats.model_type == "glm_moe_dsa" or not stats.attention_heads:
+        return 0
+    return (4 if autograd else 3) * queries * stats.attention_heads * KEY_BLOCK * 4
+
+
+def activation_multiples(model_type: str) -> tuple[float, float]:
+    """`(no grad, with autograd)` activation multiples of a model type (see `ACTIVATION_MULTIPLES`)."""
+    return ACTIVATION_MULTIPLES.get(model_type, ACTIVATION_MULTIPLES["llama"])
 
 
 @dataclass(frozen=True)
@@ -316,6 +346,8 @@ class ModelStats:
         expert_params, expert_trainable: parameters of the routed experts (fused `[E, out, in]` weights), all layers.
         largest_layer_dense_params, largest_layer_dense_trainable: the largest decoder layer without its routed
             experts (what FSDP2 gathers per layer under expert parallelism, where experts are never gathered).
+        model_type: the config's, for its activation multiples (`ACTIVATION_MULTIPLES`).
+        attention_heads, head_dim: query heads and their width, for the score tiles of the portable attention path.
     """
 
     total_params: int
@@ -337,6 +369,9 @@ class ModelStats:
     expert_trainable: int = 0
     largest_layer_dense_params: int = 0
     largest_layer_dense_trainable: int = 0
+    model_type: str = ""
+    attention_heads: int = 0
+    head_dim: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -435,6 +470,9 @@ def model_stats(
         expert_trainable=sum(expert_trained),
         largest_layer_dense_params=max(dense),
         largest_layer_dense_trainable=max(dense_trainable),
+        model_type=config.model_type,
+        attention_heads=config.num_attention_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
     )
 
 
@@ -479,6 +517,7 @@ class Setup:
             (`LongStrawGRPOConfig.offload_boundary_states`).
         gpus_per_node: processes per node, for the host memory of a node.
         host_memory: host bytes per node for the offloaded items; None: not checked.
+        device: "cuda" (the planner's case) or "cpu", which attention kernels run (`score_tiles`).
     """
 
     positions: int
@@ -504,6 +543,7 @@ class Setup:
     offload_boundary_states: bool = False
     gpus_per_node: int = 8
     host_memory: int | None = None
+    device: str = "cuda"
 
     def __post_init__(self):
         if self.expert_parallel and self.ep_size and self.gpus % self.ep_size:
@@ -576,9 +616,10 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     A step holds the weights, gradients and optimizer state (sharded under FSDP, plus the all-gathered root module
     and two layers, current and prefetched), the prompt state of one prompt (exact mode: also its gradient, and the
     fixed part of the state once per chunk boundary, as the reverse pass restarts from each; with a sharded prompt
-    state, this GPU's share of the boundaries, the final one and one broadcast copy), and then either one
-    branch graph (a completion replayed with autograd) or one chunk's activations (the exact-mode reverse pass, or
-    the no-grad prefill): those never coexist.
+    state, this GPU's share of the boundaries, the final one and one broadcast copy), and then one of: a branch
+    graph (a completion replayed with autograd), one chunk's activations (the exact-mode reverse pass, or the no-grad
+    prefill), or generation's decode tail (the G rows' decoded tokens against the prompt state): those never
+    coexist.
     """
     s, u = stats, setup
     exact = u.mode == "exact"
@@ -739,13 +780,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             else "detached mode: none",
         )
     )
-    layer = ACTIVATION_MULTIPLE * s.layer_activation_elems * u.compute_bytes
+    no_grad, autograd = activation_multiples(s.model_type)
+    layer = int(autograd * s.layer_activation_elems * u.compute_bytes)
     if u.gradient_checkpointing:
         graph_per_token = s.num_layers * s.hidden_size * u.compute_bytes + layer
-        how = "checkpointed: layer inputs + one recomputed layer"
+        how = "checkpointed: layer inputs + one recomputed layer and its gradients"
     else:
-        graph_per_token = ACTIVATION_MULTIPLE * s.total_activation_elems * u.compute_bytes
-        how = "every layer's activations"
+        graph_per_token = int(autograd * s.total_activation_elems * u.compute_bytes)
+        how = "every layer's activations and their gradients"
     branch = u.completion_length * graph_per_token
     detail = f"{u.completion_length:,} tokens x {_size(graph_per_token)} ({how})"
     if state_parts > 1:
@@ -755,8 +797,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         exchange = state_parts * u.completion_length * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
         branch += exchange
         detail += f" + {_size(exchange)} exchanged by one attention layer across the {state_parts} ranks' branches"
+    tiles = score_tiles(s, u.compute_bytes, u.group_size * u.completion_length, autograd=True, device=u.device)
+    if tiles:
+        branch += tiles
+        detail += f" + {_size(tiles)} of fp32 score tiles (portable attention path)"
     items.append(Item("branch graph", branch, detail, phase="activations"))
     chunk = min(u.prefill_chunk_size, max(tokens, 1))
+    tiles = score_tiles(s, u.compute_bytes, chunk, autograd=exact, device=u.device)
+    scored = f" + {_size(tiles)} of fp32 score tiles (portable attention path)" if tiles else ""
     if exact:
         reverse_per_token = graph_per_token
         if u.gradient_checkpointing:
@@ -766,21 +814,35 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         items.append(
             Item(
                 "chunk activations",
-                chunk * reverse_per_token,
+                chunk * reverse_per_token + tiles,
                 f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
-                + (", attention outputs kept for the recompute)" if u.gradient_checkpointing else ")"),
+                + (", attention outputs kept for the recompute)" if u.gradient_checkpointing else ")")
+                + scored,
                 phase="activations",
             )
         )
     else:
+        forward = int(no_grad * s.layer_activation_elems * u.compute_bytes)
         items.append(
             Item(
                 "chunk activations",
-                chunk * layer,
-                f"{chunk:,} tokens x {_size(layer)} (no-grad prefill, one layer at a time)",
+                chunk * forward + tiles,
+                f"{chunk:,} tokens x {_size(forward)} (no-grad prefill, one layer at a time){scored}",
                 phase="activations",
             )
         )
+    # Generation decodes the G rows against the prompt state (held for the loss pass): each row's records of its
+    # decoded tokens and its own copy of the fixed recurrent state, on this GPU whatever the sharding.
+    items.append(
+        Item(
+            "decode tail",
+            u.group_size * (u.completion_length * s.state_per_token + s.state_fixed),
+            f"{u.group_size} rows x ({u.completion_length:,} tokens x {_size(s.state_per_token)}"
+            + (f" + {_size(s.state_fixed)} fixed" if s.state_fixed else "")
+            + ") (generation)",
+            phase="activations",
+        )
+    )
     items.append(
         Item(
             "scores",
@@ -964,7 +1026,8 @@ def format_budget(budget: Budget, title: str) -> str:
     for item in budget.items:
         lines.append(f"  {item.name:<{width}}  {_size(item.nbytes):>11}  {item.detail}")
     phased = [i.name for i in budget.items if i.phase]
-    lines.append(f"  {'peak':<{width}}  {_size(budget.peak):>11}  (only the larger of {' and '.join(phased)} counts)")
+    largest = f"{', '.join(phased[:-1])} and {phased[-1]}" if len(phased) > 1 else "".join(phased)
+    lines.append(f"  {'peak':<{width}}  {_size(budget.peak):>11}  (only the largest of {largest} counts)")
     lines.append(f"  {'GPU memory':<{width}}  {_size(u.gpu_memory):>11}")
     return "\n".join(lines)
 
@@ -1152,7 +1215,7 @@ def trainer_refusals(
         if rope is not None:
             out.append(rope)
         try:
-            _check_args(args)
+            _check_args(args, world_size=setup.gpus)
         except ValueError as e:
             out.append(str(e))
         coef = args.router_aux_loss_coef

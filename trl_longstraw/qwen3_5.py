@@ -12,7 +12,9 @@ The decoder interleaves two token mixers:
   `[1, C, kernel - 1]` and `[1, Hv, Dk, Dv]` fp32, and it supersedes the records of earlier chunks: detached mode keeps
   one per layer. Exact mode keeps one per chunk boundary (`PromptState.boundaries`), since the reverse pass restarts
   every chunk from the state at its start; with a sharded prompt state, each boundary only on the rank owning its
-  chunk (plus the final one on every rank), broadcast to every rank when the reverse pass reaches it.
+  chunk (plus the final one on every rank), broadcast to every rank when the reverse pass reaches it. In a
+  context-parallel round of a sharded state (`context_parallel`) the conv and delta rule run head-parallel over the
+  ranks (`_round_core`).
 
 While the engine runs, the DeltaNet modules' `forward` is replaced by `_gated_deltanet_forward`, which starts from the
 last visible record (zero history and zero state if none), never writes a tensor in place (the stock cache's
@@ -57,7 +59,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     l2norm,
 )
 
-from .context_parallel import conv_histories, gather_heads, to_heads, to_tokens
+from .context_parallel import exchange, gather, pad_tokens
 from .engine import active_pass
 from .generation import DecodePass
 from .kv import KVTail, attention_switched
@@ -387,7 +389,13 @@ def _round_core(
     history: torch.Tensor | None,
     initial_state: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The conv and delta rule of a context-parallel round (`context_parallel`), head-parallel over the ranks.
+    """The conv and delta rule of a context-parallel round (`context_parallel`), head-parallel over the W ranks.
+
+    One all-to-all gives this rank the conv inputs of its `Hk / W` key heads and `Hv / W` value heads, and their
+    decay and write-strength inputs, for the tokens of every rank of the round (chunk `first + s` from rank `s`). The
+    rank convolves that sequence from the round's conv history and runs the delta rule chunk after chunk from the
+    round's state, as one process runs them; another all-to-all returns each rank its tokens' outputs of all heads.
+    When the pass records, one all-gather joins the heads' end-of-chunk conv tails and states into whole records.
 
     Args:
         p: the active pass, with its round `p.cp`: this rank holds the `n = p.cp.lengths[rank]` tokens of chunk
@@ -401,34 +409,71 @@ def _round_core(
     """
     shards, cp = p.shard, p.cp
     world, rank, lengths, group = shards.world, shards.rank, cp.lengths, shards.group
-    width = self.conv_kernel_size - 1
-    mine, tails = conv_histories(projected[0], None if history is None else history[0], width, lengths, rank, group)
-    mixed_qkv = causal_conv(projected, self.conv1d.weight, self.conv1d.bias, self.activation, mine[None])
-    n = projected.shape[1]
-    query, key, value = torch.split(mixed_qkv[0], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-    query = query.reshape(n, -1, self.head_k_dim)
-    key = key.reshape(n, -1, self.head_k_dim)
-    value = value.reshape(n, -1, self.head_v_dim)
-    beta = b[0].sigmoid()
-    g = -self.A_log.float().exp() * F.softplus(a[0].float() + self.dt_bias)
-    if self.num_k_heads % world:
-        # Key heads do not split over the ranks: give each value head its own copy, as the rule does anyway.
-        query, key = (x.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1) for x in (query, key))
-    # This rank's heads, for the tokens of every rank of the round (chunk `first + s` from rank s).
-    parts = zip(
-        *(to_heads(x, lengths, group) for x in (query, key, value, g[..., None], beta[..., None])), strict=True
-    )
-    heads = self.num_v_heads // world
-    state = None if initial_state is None else initial_state[:, rank * heads : (rank + 1) * heads]
-    outputs, states = [], []
-    for q_s, k_s, v_s, g_s, beta_s in parts:  # chunk after chunk, as one process runs them
-        out, state = gated_delta_rule(q_s[None], k_s[None], v_s[None], g_s[None, ..., 0], beta_s[None, ..., 0], state)
-        outputs.append(out[0])
-        states.append(state)
-    if p.append or p.sink is not None:
-        whole = gather_heads(torch.cat(states), world, group)  # [W, Hv, Dk, Dv]: the state after each chunk
-        p.emit_round(self.layer_idx, [(tail[None].clone(), whole[s : s + 1]) for s, tail in enumerate(tails)])
-    return to_tokens(outputs, lengths, rank, group)[None]
+    width, tmax = self.conv_kernel_size - 1, max(lengths)
+    k_heads, v_heads = self.num_k_heads // world, self.num_v_heads // world
+    k_width, v_width = k_heads * self.head_k_dim, v_heads * self.head_v_dim
+    device = projected.device
+
+    def channels(r: int) -> torch.Tensor:
+        """The conv channels of rank `r`'s heads: its queries, keys, then values."""
+        q = torch.arange(r * k_width, (r + 1) * k_width, device=device)
+        return torch.cat(
+            [q, self.key_dim + q, 2 * self.key_dim + torch.arange(r * v_width, (r + 1) * v_width, device=device)]
+        )
+
+    def heads(r: int) -> slice:
+        return slice(r * v_heads, (r + 1) * v_heads)
+
+    send = torch.stack(
+        [
+            pad_tokens(torch.cat([projected[0][:, channels(r)], a[0][:, heads(r)], b[0][:, heads(r)]], dim=-1), tmax)
+            for r in range(world)
+        ]
+    )  # [W, Tmax, C / W + 2 Hv / W]: slice r for rank r
+    received = exchange(send, group)  # slice s: this rank's heads of rank s's tokens
+    sequence = torch.cat([received[s, :n] for s, n in enumerate(lengths)])  # [N, ...], the round in order
+    conv_in, a_mine, b_mine = sequence.split([2 * k_width + v_width, v_heads, v_heads], dim=-1)
+    mine = channels(rank)
+    past = None if history is None else history[:, mine]
+    bias = None if self.conv1d.bias is None else self.conv1d.bias[mine]
+    mixed = causal_conv(conv_in[None].to(projected.dtype), self.conv1d.weight[mine], bias, self.activation, past)[0]
+    query, key, value = mixed.split([k_width, k_width, v_width], dim=-1)
+    query = query.reshape(-1, k_heads, self.head_k_dim)
+    key = key.reshape(-1, k_heads, self.head_k_dim)
+    value = value.reshape(-1, v_heads, self.head_v_dim)
+    beta = b_mine.to(b.dtype).sigmoid()
+    g = -self.A_log[heads(rank)].float().exp() * F.softplus(a_mine.to(a.dtype).float() + self.dt_bias[heads(rank)])
+    state = None if initial_state is None else initial_state[:, heads(rank)]
+    outputs, states, ends = [], [], []
+    start = 0
+    for n in lengths:  # chunk after chunk, as one process runs them
+        part = slice(start, start + n)
+        out, state = gated_delta_rule(
+            query[None, part], key[None, part], value[None, part], g[None, part], beta[None, part], state
+        )
+        outputs.append(pad_tokens(out[0], tmax))
+        states.append(state[0])
+        start += n
+        ends.append(start)
+    # With autograd, also in a gradient-checkpointing recompute (which emits nothing): it must save the tensors that
+    # the forward saved.
+    if p.append or torch.is_grad_enabled():
+        # The last `kernel - 1` conv inputs at the end of each chunk, of this rank's channels, then every rank's.
+        window = torch.cat([conv_in.new_zeros(width, conv_in.shape[1]) if past is None else past[0].t(), conv_in])
+        tails = torch.stack([window[end : end + width] for end in ends])  # [W chunks, width, C / W]
+        packed = torch.cat([tails.float().flatten(1), torch.stack(states).flatten(1)], dim=-1)
+        everyone = gather(packed, world, group)  # [W ranks, W chunks, ...]
+        split = width * tails.shape[-1]
+        order = torch.cat([channels(r) for r in range(world)])
+        records = []
+        for s in range(len(lengths)):
+            tail_parts = everyone[:, s, :split].reshape(world, width, -1).transpose(0, 1).reshape(width, -1)
+            tail = tail_parts.new_zeros(width, self.conv_dim).index_copy(1, order, tail_parts)
+            whole_state = everyone[:, s, split:].reshape(1, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+            records.append((tail.t()[None].to(projected.dtype), whole_state))
+        p.emit_round(self.layer_idx, records)
+    back = exchange(torch.stack(outputs), group)  # slice s: rank s's heads of this rank's tokens
+    return back.transpose(0, 1).reshape(tmax, self.num_v_heads, self.head_v_dim)[: projected.shape[1]][None]
 
 
 class Qwen3_5Adapter:
@@ -445,9 +490,9 @@ class Qwen3_5Adapter:
 
     def context_parallel(self, world: int) -> bool:
         """Whether the prompt passes of a state sharded over `world` ranks can split their tokens (see
-        `context_parallel`): when the DeltaNet value heads split evenly over the ranks (head-parallel delta rule);
-        otherwise every rank runs every chunk."""
-        return all(m.num_v_heads % world == 0 for m in self.deltanets)
+        `context_parallel`): when the DeltaNet key heads (and so the value heads) split evenly over the ranks, as the
+        head-parallel delta rule needs; otherwise every rank runs every chunk."""
+        return all(m.num_k_heads % world == 0 for m in self.deltanets)
 
     def __init__(self, causal_lm: PreTrainedModel):
         if not isinstance(causal_lm.base_model, Qwen3_5TextModel):

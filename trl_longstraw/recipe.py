@@ -18,6 +18,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 from .config import LongStrawGRPOConfig
 from .tasks import TASK_NAMES, exact_match_reward, load_task_dataset, retrieval_reward
 from .trainer import peak_rss_gib
+from .warmup import ACCURACY_KEY, HeldOutAccuracy, supervised_warmup
 
 TINY_MODEL_PREFIX = "longstraw/tiny-"
 
@@ -42,6 +43,21 @@ class LongStrawScriptArguments(ScriptArguments):
             Hidden size of the model that `--model_name_or_path longstraw/tiny-<family>` builds.
         reward_funcs (`list[str]`, *optional*, defaults to `["retrieval_reward"]`):
             Reward functions by name; see `reward_function`.
+        warmup_sft_steps (`int`, *optional*, defaults to `0`):
+            Built-in tasks only: supervised steps on the answers of short prompts of the task before GRPO starts
+            (`trl_longstraw.warmup.supervised_warmup`); 0 for none.
+        warmup_sft_prompt_tokens (`int`, *optional*, defaults to `32`):
+            Prompt length, in tokens, of the warm-up's prompts.
+        warmup_sft_batch_size (`int`, *optional*, defaults to `16`):
+            Prompts per warm-up step.
+        warmup_sft_learning_rate (`float`, *optional*, defaults to `3e-3`):
+            AdamW learning rate of the warm-up.
+        heldout_prompts (`int`, *optional*, defaults to `0`):
+            Built-in tasks only: how many held-out prompts of `prompt_tokens` tokens (never trained on) measure the
+            greedy accuracy at step 0 and every `heldout_steps` steps, logged as `longstraw/heldout_accuracy`; 0 for
+            none.
+        heldout_steps (`int`, *optional*, defaults to `10`):
+            Steps between two measurements of the held-out accuracy.
     """
 
     dataset_name: str | None = field(
@@ -72,6 +88,30 @@ class LongStrawScriptArguments(ScriptArguments):
             "or a dotted import path such as my_module.my_reward."
         },
     )
+    warmup_sft_steps: int = field(
+        default=0,
+        metadata={"help": "Built-in tasks: supervised steps on short prompts' answers before GRPO (0: none)."},
+    )
+    warmup_sft_prompt_tokens: int = field(default=32, metadata={"help": "Prompt length of the warm-up, in tokens."})
+    warmup_sft_batch_size: int = field(default=16, metadata={"help": "Prompts per warm-up step."})
+    warmup_sft_learning_rate: float = field(default=3e-3, metadata={"help": "AdamW learning rate of the warm-up."})
+    heldout_prompts: int = field(
+        default=0,
+        metadata={"help": "Built-in tasks: held-out prompts whose greedy accuracy is logged (0: none)."},
+    )
+    heldout_steps: int = field(default=10, metadata={"help": "Steps between two held-out accuracy measurements."})
+
+    def __post_init__(self):
+        if (self.warmup_sft_steps or self.heldout_prompts) and self.dataset_name not in TASK_NAMES:
+            raise ValueError(
+                f"warmup_sft_steps and heldout_prompts build prompts of a built-in task ({', '.join(TASK_NAMES)}), "
+                f"not of {self.dataset_name!r}: set them to 0, or use a built-in task."
+            )
+        if (self.warmup_sft_steps or self.heldout_prompts) and self.conversational:
+            raise ValueError(
+                "warmup_sft_steps and heldout_prompts read plain-text prompts, not conversations: set them to 0 with "
+                "conversational, or leave conversational off."
+            )
 
 
 def make_parser() -> TrlParser:
@@ -206,6 +246,48 @@ def build_dataset(script_args: LongStrawScriptArguments, tokenizer, seed: int = 
     return dataset[script_args.dataset_train_split]
 
 
+def warm_up(script_args: LongStrawScriptArguments, model, tokenizer, seed: int = 0) -> list[float]:
+    """Runs the supervised warm-up that `script_args` asks for (none if `warmup_sft_steps` is 0) on `model` in place,
+    over fresh prompts of the built-in task (seed `seed + 1`, apart from the training prompts); returns its losses."""
+    if not script_args.warmup_sft_steps:
+        return []
+    dataset = load_task_dataset(
+        script_args.dataset_name,
+        num_prompts=script_args.warmup_sft_steps * script_args.warmup_sft_batch_size,
+        prompt_tokens=script_args.warmup_sft_prompt_tokens,
+        tokenizer=tokenizer,
+        seed=seed + 1,
+        needles=script_args.needles,
+    )
+    return supervised_warmup(
+        model,
+        tokenizer,
+        dataset,
+        steps=script_args.warmup_sft_steps,
+        batch_size=script_args.warmup_sft_batch_size,
+        learning_rate=script_args.warmup_sft_learning_rate,
+        seed=seed,
+    )
+
+
+def add_heldout_accuracy(trainer, script_args: LongStrawScriptArguments, seed: int = 0) -> HeldOutAccuracy | None:
+    """Adds to `trainer` the `HeldOutAccuracy` callback that `script_args` asks for (none if `heldout_prompts` is 0),
+    over `heldout_prompts` prompts of the built-in task at the training length, drawn with seed `seed + 2`."""
+    if not script_args.heldout_prompts:
+        return None
+    dataset = load_task_dataset(
+        script_args.dataset_name,
+        num_prompts=script_args.heldout_prompts,
+        prompt_tokens=script_args.prompt_tokens,
+        tokenizer=trainer.processing_class,
+        seed=seed + 2,
+        needles=script_args.needles,
+    )
+    callback = HeldOutAccuracy(trainer, dataset, every=script_args.heldout_steps)
+    trainer.add_callback(callback)
+    return callback
+
+
 def peak_memory_gib() -> tuple[str, float]:
     """(`what`, GiB): the peak GPU memory allocated, or on CPU the peak resident set size of this process."""
     if torch.cuda.is_available():
@@ -215,7 +297,9 @@ def peak_memory_gib() -> tuple[str, float]:
 
 def summarize(log_history: list[dict], window: int = 10) -> dict[str, float]:
     """Summary of a run from `trainer.state.log_history`: mean reward (and exact-match accuracy, if logged) of the
-    first and last `window` logged steps, and the mean prompt positions prefilled per micro-batch.
+    first and last `window` logged steps, the mean prompt positions prefilled per micro-batch (by its loss pass, or by
+    generation when the loss pass took generation's state), and the first and last held-out accuracy with their steps
+    (`heldout_first_step`, `heldout_first`, ...), if logged.
 
     Raises:
         ValueError: if no logged step holds a reward.
@@ -224,6 +308,7 @@ def summarize(log_history: list[dict], window: int = 10) -> dict[str, float]:
     if not steps:
         raise ValueError("the run logged no reward: set logging_steps so that at least one step is logged.")
     window = max(1, min(window, len(steps) // 2))
+    reused = any("longstraw/prompt_positions_reused" in h for h in steps)
 
     def mean(key: str, rows: list[dict]) -> float:
         values = [r[key] for r in rows if key in r]
@@ -234,12 +319,17 @@ def summarize(log_history: list[dict], window: int = 10) -> dict[str, float]:
         "window": window,
         "reward_first": mean("reward", steps[:window]),
         "reward_last": mean("reward", steps[-window:]),
-        "prompt_positions": mean("longstraw/prompt_positions", steps),
+        "prompt_positions": mean("longstraw/prompt_positions", steps)
+        + (mean("longstraw/prompt_positions_reused", steps) if reused else 0.0),
     }
     accuracy_key = "rewards/exact_match_reward/mean"
     if any(accuracy_key in r for r in steps):
         summary["accuracy_first"] = mean(accuracy_key, steps[:window])
         summary["accuracy_last"] = mean(accuracy_key, steps[-window:])
+    heldout = [(r["step"], r[ACCURACY_KEY]) for r in log_history if ACCURACY_KEY in r]
+    if heldout:
+        (summary["heldout_first_step"], summary["heldout_first"]) = heldout[0]
+        (summary["heldout_last_step"], summary["heldout_last"]) = heldout[-1]
     return summary
 
 
@@ -253,6 +343,13 @@ def format_summary(summary: dict, script_args: LongStrawScriptArguments, args: L
         "==================== trl_longstraw run summary ====================",
         f"task                    {script_args.dataset_name}, prompts of {prompt_tokens}, "
         f"prefill chunks of {args.prefill_chunk_size}, prompt_gradient={args.prompt_gradient}",
+    ]
+    if script_args.warmup_sft_steps:
+        lines.append(
+            f"supervised warm-up      {script_args.warmup_sft_steps} steps on {script_args.warmup_sft_prompt_tokens}"
+            f"-token prompts, {script_args.warmup_sft_batch_size} a step, before GRPO"
+        )
+    lines += [
         f"prompt positions        {summary['prompt_positions']:.0f} prefilled per micro-batch (each distinct prompt "
         f"once for its {args.num_generations} completions)",
         f"{summary['peak_memory_what']:<23} {summary['peak_memory_gib']:.2f} GiB",
@@ -263,6 +360,12 @@ def format_summary(summary: dict, script_args: LongStrawScriptArguments, args: L
         lines.append(
             f"exact-match accuracy    first {w} steps {summary['accuracy_first']:.3f}  ->  last {w} steps "
             f"{summary['accuracy_last']:.3f}"
+        )
+    if "heldout_first" in summary:
+        lines.append(
+            f"held-out accuracy       step {summary['heldout_first_step']} {summary['heldout_first']:.3f}  ->  step "
+            f"{summary['heldout_last_step']} {summary['heldout_last']:.3f} (greedy, {script_args.heldout_prompts} "
+            f"prompts of {script_args.prompt_tokens} tokens never trained on)"
         )
     if "processes" in summary:
         sharded = summary.get("shard_group", 0)

@@ -1,9 +1,10 @@
 """Prompt state sharded across the ranks of a process group (`shard_prompt_state`).
 
 The ranks of a *shard group* hold the same prompts in every micro-batch (different completions of them). Each rank
-keeps the records of 1/W of the prompt's chunks: chunk `c` belongs to rank `c % W`. Every rank runs every prefill
-and reverse chunk (the chunk's token-wise compute is replicated, its state and its prompt attention are not), so the
-prompt state shrinks W times.
+keeps the records of 1/W of the prompt's chunks: chunk `c` belongs to rank `c % W`, so the prompt state shrinks W
+times. With context parallelism (adapters that support it, see `context_parallel`) the prefill and reverse passes
+run in rounds in which each rank runs the chunk it owns (`PromptShards.cp_round`); otherwise every rank runs every
+prefill and reverse chunk (the chunk's token-wise compute is replicated, its state and its prompt attention are not).
 
 Attention over the prompt is a log-sum-exp merge of per-shard parts (`sharded_prefix_attention`), done in one of two
 ways. In a *replicated* pass (a prefill or reverse chunk, `PromptShards.replicated`) every rank runs the same
@@ -13,9 +14,11 @@ chunk's gradient is whole on its owner and the ranks' query gradients add up in 
 *branch round* (`PromptShards.branch_round`) each rank runs its own completion: the queries of every rank are
 gathered, each rank scores them against its own chunks, the partial outputs and log-sum-exps go back to the query
 owners (one all-to-all) and are merged there with the branch's causal part. The backward is the flash
-decomposition: the owners' `dout`, `delta = rowsum(dout * out)` and global log-sum-exp are gathered, each rank
+decomposition: the owners' queries (again), `dout`, output and global log-sum-exp are gathered, each rank
 computes the gradient of its own chunks (which thus stays on the rank that owns the record: exact mode reverses it
-there) and its share of every rank's query gradient, which an all-to-all returns to the query owners.
+there) and its share of every rank's query gradient, which an all-to-all returns to the query owners. A
+*context-parallel round* is the same exchange in which each rank also attends the queries of the ranks after it to
+its own chunk's keys (the chunks of a round follow each other in rank order).
 
 Lockstep: a pass's collectives must meet partners on every rank, so all ranks run the same sequence of passes. Prompts
 are taken in one agreed order; prefill and reverse chunks are the same everywhere; branches run in rounds, and a rank
@@ -449,13 +452,13 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         out = (weights * torch.cat([o_self, received[..., :dv]], dim=0)).sum(0, keepdim=True)  # [1, Hkv, g, T, Dv]
         ctx.kind, ctx.scale, ctx.shards, ctx.lengths, ctx.in_round = kind, scale, shards, lengths, in_round
         ctx.extras = extras
-        ctx.save_for_backward(q, k, v, qall, out, lse, *prefix)
+        ctx.save_for_backward(q, k, v, out, lse, *prefix)
         return out.view(1, hq, t, dv).to(q.dtype)
 
     @staticmethod
     @autocast_off
     def backward(ctx, grad_out):
-        q, k, v, qall, out, lse, *prefix = ctx.saved_tensors
+        q, k, v, out, lse, *prefix = ctx.saved_tensors
         shards, scale, lengths, kind, extras = ctx.shards, ctx.scale, ctx.lengths, ctx.kind, ctx.extras
         world, group = shards.world, shards.group
         _, hq, t, d = q.shape
@@ -487,16 +490,19 @@ class _ShardedPrefixAttention(torch.autograd.Function):
             dk = dke.view(1, hkv, g, t, -1).sum(2, dtype=acc).to(k.dtype)
             dvv = dve.view(1, hkv, g, t, -1).sum(2, dtype=acc).to(v.dtype)
 
-        # Every rank's dout, delta (portable path) or out (kernels), and lse. Padded rows are zero: their scores are
-        # 0, p = 1 and dp = delta = 0.
+        # Every rank's queries (gathered again rather than kept from the forward: W times the queries per layer), dout,
+        # delta (portable path) or out (kernels), and lse, in the accumulation dtype, which holds the queries exactly.
+        # Padded rows are zero: their scores are 0, p = 1 and dp = delta = 0.
         middle = delta[..., None] if kind is None else out
-        mine = _pad_t(torch.cat([dout, middle, lse[..., None]], dim=-1), tmax, 3)
+        mine = torch.cat([q.view(1, hkv, g, t, d).to(acc), dout, middle, lse[..., None]], dim=-1)
+        mine = _pad_t(mine, tmax, 3)
         width = mine.shape[-1]
         theirs = _all_gather(mine, world, group)  # [W, Hkv, g, Tmax, width]
         theirs = theirs.permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, width)
-        dout_all, lse_all = theirs[..., :dv], theirs[..., -1]
-        delta_all = theirs[..., dv] if kind is None else None
-        out_all = None if kind is None else theirs[..., dv : 2 * dv]
+        qall = theirs[..., :d].to(q.dtype)
+        dout_all, lse_all = theirs[..., d : d + dv], theirs[..., -1]
+        delta_all = theirs[..., d + dv] if kind is None else None
+        out_all = None if kind is None else theirs[..., d + dv : d + 2 * dv]
         dq_all = torch.zeros(qall.shape, dtype=acc, device=q.device)
         prefix_grads = []
         for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):

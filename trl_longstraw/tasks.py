@@ -15,12 +15,11 @@ few words), so with that tokenizer the prompt length in tokens is exact. With a 
 sized by the tokens per word measured on a sample, so the length is close to, not exactly, the target.
 
 The reward, `retrieval_reward`, gives 1 for the right value, `FORM_CREDIT` (0.2) for a wrong digit and 0 for
-anything else, so it has two levels to learn. What the CPU demo (`recipes/configs/tiny_cpu.yaml`: a random 2-layer
-Llama of hidden size 64, 384-token prompts, 60 steps) learns is the first: to answer with a digit, which takes the
-mean reward from about 0.08 (a random model answers a digit 1 time in 5) to about 0.27 (it always answers a digit,
-right 1 time in 10). Finding the needle's digit is a retrieval circuit that takes far longer: the same model needs
-about 50 supervised steps of 16 prompts to find it, and GRPO, which learns only from the sampled completions that
-happen to be right, did not find it within 200 steps (measured on CPU, learning rates 1e-3 to 1e-2).
+anything else, so it has two levels to learn. A random
+model learns only the first by RL within a demo: to answer with a digit (mean reward from about 0.08 to 0.27).
+Finding the needle's digit is a retrieval circuit that GRPO, which learns only from the sampled completions that
+happen to be right, did not find within 200 steps (measured on CPU, learning rates 1e-3 to 1e-2); a few dozen
+supervised steps on short prompts form it, and the CPU demo starts there (`trl_longstraw.warmup`).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from trl.trainer.utils import RepeatSampler, split_tensor_dict
 from . import expert_parallel, guards
 from .adapters import get_adapter
 from .config import LongStrawGRPOConfig
-from .distributed import fsdp2_root
+from .distributed import fsdp2_offloads, fsdp2_root
 from .engine import Engine, group_prompts
 from .generation import check_generation_config, generate_shared
 from .rope import rotary_modules
@@ -90,6 +90,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._check_dataset()
         self._engines: dict[int, Engine] = {}
         self._prompt_shards = self._make_prompt_shards()
+        # Bytes the engines may hold in prompt states beyond the one in use (`Engine.hold_budget`): no limit on CPU;
+        # on GPU the newest state only until the memory guard has measured what is left (`_check_memory`); sharded,
+        # the newest only, as the ranks must agree on which states they hold.
+        sharded_or_gpu = self._prompt_shards is not None or self.accelerator.device.type == "cuda"
+        self._hold_budget: int | None = 0 if sharded_or_gpu else None
         self._precomputed: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._memory_checked = False
         # The planner's estimate of a step, from the memory guard before the first GPU step (for the model card).
@@ -156,6 +161,21 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     f"model_type {_causal_lm(self.model).config.model_type!r} does not decode against a sharded "
                     "prompt state yet: with shard_prompt_state=True, generation runs through transformers' generate."
                 )
+            elif self.args.expert_parallel_size > 1:
+                # The experts' all-to-alls need every rank to decode the same number of steps, which transformers'
+                # generate arranges for a model it sharded (synced_gpus); the shared-prompt decoding's lockstep is not
+                # tested with an expert-parallel model yet.
+                logger.warning(
+                    "shared_generation is not supported with expert_parallel_size > 1 yet: generation runs through "
+                    "transformers' generate (synced_gpus)."
+                )
+            elif hasattr(adapter, "decode_tail") and self.is_fsdp_enabled and not self._generation_in_lockstep():
+                logger.warning(
+                    "under FSDP, transformers' generate runs every process in lockstep (synced_gpus), which shared-"
+                    "prompt generation does only with the prompt state sharded over every process "
+                    "(shard_prompt_state=True, prompt_shard_group_size=0): generation runs through transformers' "
+                    "generate."
+                )
             elif hasattr(adapter, "decode_tail"):
                 check_generation_config(self.generation_config)
                 self._shared_generation = True
@@ -165,18 +185,27 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     "generation runs through transformers' generate, which prefills each prompt G times."
                 )
 
+    def _generation_in_lockstep(self) -> bool:
+        """Whether every process decodes in one lockstep (a single process, or the prompt state sharded over all)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return True
+        return self._prompt_shards is not None and self._prompt_shards.world == dist.get_world_size()
+
     def _check_dataset(self) -> None:
         """The training dataset's prompt column, and its longest prompts against the model's RoPE window.
 
         Only the two longest prompts by characters (of at most 4,096 rows drawn at random) are tokenized, so a
         million-token dataset costs seconds here; `_check_window` still checks every sequence at each step.
         """
+        # The longest prompt found, in tokens: the memory guard's estimate before the first generation.
+        self._dataset_prompt_length: int | None = None
         guards.check_prompt_column(self.train_dataset)
         if self.environment_factories is not None:
             return  # prompts are rendered with each row's environment tools, known only at generation
         longest = guards.longest_prompts(self.train_dataset, seed=self.args.seed)
         if longest:
             prompt_length = max(len(ids) for ids in self._tokenize_prompts(longest)[0])
+            self._dataset_prompt_length = prompt_length
             self._check_window(self.model, prompt_length + (self.args.max_completion_length or 0))
 
     def _make_prompt_shards(self) -> PromptShards | None:
@@ -209,14 +238,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._window_warned = True
             logger.warning(warning)
 
-    def _check_memory(self, model, inputs: dict[str, Any]) -> None:
-        """Before the first step on GPU: stops a run that the planner says cannot fit in the free memory."""
+    def _check_memory(self, model, prompt_length: int, completion_length: int) -> None:
+        """Before the first step on GPU: stops a run that the planner says cannot fit in the free memory.
+
+        The planner's step includes generation's decode tail; the memory left free after the step's estimate holds
+        the prompt states of further prompts (`Engine.hold_budget`).
+        """
         self._memory_checked = True
         memory = guards.device_free_memory(self.accelerator.device) if self.args.memory_guard else None
         if memory is None:
             return
         free, prompt, completion = guards.worst_over_processes(
-            self.accelerator, memory[0], inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]
+            self.accelerator, memory[0], prompt_length, completion_length
         )
         budget = guards.runtime_budget(
             _causal_lm(model),
@@ -227,6 +260,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             # FSDP2 through accelerate, or applied by transformers at load time (expert parallelism).
             fsdp=self.is_fsdp_enabled or fsdp2_root(model) is not None,
             gpu_memory=memory[1],
+            offload=fsdp2_offloads(model),
         )
         guards.check_memory(budget, free)
         self.memory_estimate = {
@@ -237,6 +271,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             "positions": prompt,
             "completion_length": completion,
         }
+        if self._prompt_shards is None:
+            # What the step leaves free holds the prompt states of further prompts (generation's offers, the
+            # states a micro-batch of several prompts keeps from scoring to backward).
+            self._hold_budget = free - budget.to_allocate
+            for engine in self._engines.values():
+                engine.hold_budget = self._hold_budget
 
     # ---------------------------------------------------------------------------------------------------- engine
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -265,6 +305,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 autocast=self._autocast,
                 offload_boundaries=self.args.offload_boundary_states,
             )
+            engine.hold_budget = self._hold_budget
             self._engines[id(causal_lm)] = engine
         engine.model = model
         return engine
@@ -355,6 +396,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                         batch["completion_ids"],
                         batch["completion_mask"],
                         batch_tokens=self.args.prefill_chunk_size,
+                        reuse=True,
                     )
                 batch["old_per_token_logps"] = logps
                 del batch[OLD_LOGPS_PENDING]
@@ -377,17 +419,32 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             ) as unwrapped_model,
             torch.no_grad(),
         ):
+            engine = self._engine(unwrapped_model)
             completion_ids = generate_shared(
                 unwrapped_model,
-                self._engine(unwrapped_model),
+                engine,
                 prompt_ids,
                 self.generation_config,
                 pad_token_id=self._tokenizer.pad_token_id,
                 eos_token_ids=self.eos_token_ids,
                 pad_to_multiple_of=self.pad_to_multiple_of,
                 device=self.accelerator.device,
+                offer_boundaries=self._offer_boundaries(engine),
             )
         return completion_ids, None
+
+    def _offer_boundaries(self, engine: Engine) -> bool | None:
+        """Whether generation's prompt states go to the loss pass, and with which chunk boundaries (None: not).
+
+        In training, the loss pass that follows with the same weights (`num_iterations=1`, or the first iteration)
+        takes them instead of prefilling again (`Engine.offer`); exact mode needs the recurrent chunk boundaries.
+        Not with per-call RoPE (dynamic, longrope): generation pins other frequencies than the loss pass. Not with a
+        sharded prompt state: the ranks of a shard group prefill together, so they must agree on which prompts they
+        take, and which prompts have no left padding differs from rank to rank.
+        """
+        if not self.model.training or engine.rope.modules or self._prompt_shards is not None:
+            return None
+        return self.args.prompt_gradient == "exact"
 
     # ------------------------------------------------------------------------------------------------------ step
     def training_step(self, model, inputs, num_items_in_batch):
@@ -403,9 +460,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
+        if not self._memory_checked and self._dataset_prompt_length is not None:
+            # Before the first generation, with the dataset's longest prompt, so that the guard covers generation.
+            self._check_memory(model, self._dataset_prompt_length, self.args.max_completion_length or 0)
         inputs = self._prepare_inputs(inputs)
         if not self._memory_checked:
-            self._check_memory(model, inputs)
+            self._check_memory(model, inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1])
         with self.compute_loss_context_manager():
             loss = self._loss_and_backward(model, inputs)
         del inputs
@@ -437,7 +497,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             torch.cuda.reset_peak_memory_stats()
         exact = self.args.prompt_gradient == "exact"
         with torch.no_grad():
-            logps, entropies = engine.score(*prompt, *completion, keep_last=True, boundaries=exact)
+            logps, entropies = engine.score(*prompt, *completion, keep=True, boundaries=exact)
         wrt = [logps.requires_grad_()] + ([entropies.requires_grad_()] if entropies is not None else [])
         self._precomputed = (logps, entropies)
         metrics_before = {key: len(values) for key, values in self._metrics["train"].items()}
@@ -558,6 +618,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         metrics = self._metrics["train"]
         stats = engine.stats
         metrics["longstraw/prompt_positions"].append(float(stats.prompt_positions))
+        metrics["longstraw/prompt_positions_reused"].append(float(stats.reused_positions))
         metrics["longstraw/prefill_s"].append(stats.prefill_s)
         metrics["longstraw/replay_s"].append(stats.replay_s)
         metrics["longstraw/reverse_s"].append(stats.reverse_s)
@@ -651,6 +712,11 @@ class _FillOldLogpsBeforeUpdate(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._fill_pending_old_logps()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # Held prompt states (generation's offers not taken) belong to the weights before the update.
+        for engine in self.trainer._engines.values():
+            engine.release()
 
 
 def peak_rss_gib() -> float:
@@ -746,9 +812,13 @@ def _prepare_expert_parallel(model, args: LongStrawGRPOConfig) -> None:
         args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
 
 
-def _check_args(args: LongStrawGRPOConfig) -> None:
-    """Settings that the engine cannot honour exactly. Each message names the alternative."""
-    expert_parallel.check_args(args, args.world_size)
+def _check_args(args: LongStrawGRPOConfig, world_size: int | None = None) -> None:
+    """Settings that the engine cannot honour exactly. Each message names the alternative.
+
+    `world_size`: the processes of the run (default: this launch's, `args.world_size`; the planner passes its GPUs).
+    """
+    world_size = args.world_size if world_size is None else world_size
+    expert_parallel.check_args(args, world_size)
     micro_batch, group = args.per_device_train_batch_size, _local_group_size(args)
     if args.group_shuffle and micro_batch % group and group % micro_batch:
         raise ValueError(
@@ -758,7 +828,7 @@ def _check_args(args: LongStrawGRPOConfig) -> None:
             f"steps_per_generation={args.steps_per_generation}). Make per_device_train_batch_size a multiple or a "
             "divisor of num_generations, or set group_shuffle=False."
         )
-    if args.on_nonfinite == "skip" and args.world_size > 1:
+    if args.on_nonfinite == "skip" and world_size > 1:
         raise ValueError(
             "on_nonfinite='skip' is supported in single-process runs only: skipping the last micro-batch of an "
             "accumulation window on every process would leave the window's gradients unsynchronized. Use "

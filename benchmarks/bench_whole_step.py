@@ -1,0 +1,349 @@
+"""Side-by-side benchmark of one whole GRPO step, generation + loss: stock `trl.GRPOTrainer` against
+`LongStrawGRPOTrainer` (exact and detached), one prompt of P tokens, G completions of exactly C tokens.
+
+Each configuration runs in a fresh subprocess (`--worker`), which first runs a warm-up step on a 64-token prompt
+(one-time allocations), then calls `trainer.training_step` on the generation batch (the prompt G times, as TRL's
+dataloader hands it over), so the step generates (sampling, `min_new_tokens=C`: no completion stops early), computes
+rewards and advantages, and runs the loss and its backward. Per phase it measures:
+
+- peak resident set size: the kernel's high-water mark `VmHWM`, reset at the start of each phase by writing "5" to
+  `/proc/self/clear_refs` (else a 1 ms `VmRSS` sampler, as `bench_step.py`), reported as the growth over the resident
+  set just before the step and as the absolute peak of the process;
+- wall time of the phase, with one torch thread.
+
+Phases: `generation` is `_generate_and_score_completions` (generation, rewards, any no-grad scoring that stock runs
+there); `loss` is the rest of `training_step` (the loss, its backward, and for LongStraw the scoring pass). A worker
+whose growth passes `--mem-limit-gib` is stopped and reported as "OOM"; one that runs past `--timeout`, "timeout".
+
+The driver prints a table with the stock/ours ratios, checks that ours' generation peak stays within 10% of ours' loss
+peak (growth over the step's starting RSS), and writes `benchmarks/WHOLE_STEP.md` and `benchmarks/whole_step.json`.
+
+    python benchmarks/bench_whole_step.py                       # tiny qwen3_5, P = 32K, G = 8, C = 128
+    python benchmarks/bench_whole_step.py --family llama --P 8K,32K
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from bench_step import GIB, MMAP_THRESHOLD, PeakRSS, _emit, _rss, _status_kib, hardware, parse_sizes, versions  # noqa: E402
+
+IMPLS = ("stock", "exact", "detached")
+# Ours' generation peak must stay within this fraction above ours' loss-step peak (issue 13).
+GENERATION_MARGIN = 0.10
+
+
+# --------------------------------------------------------------------------------------------------------- worker
+def prompt_text(p: int, seed: int) -> str:
+    """`p` words of the tiny models' word-level vocabulary: `p` tokens."""
+    import random
+
+    from trl_longstraw.testing import WORDS
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(p))
+
+
+def build_trainer(impl: str, model_path: str, g: int, c: int, chunk: int, dtype: str):
+    """A trainer of `impl` whose `training_step` generates from the batch it is given (`steps_per_generation=1`)."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="bench_whole_"),
+        per_device_train_batch_size=g,
+        num_generations=g,
+        max_completion_length=c,
+        generation_kwargs={"min_new_tokens": c},
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        logging_steps=1,
+        bf16=dtype == "bfloat16",
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        model_init_kwargs={"dtype": dtype},
+    )
+    dataset = Dataset.from_dict({"prompt": ["a b c"] * g})
+
+    def reward(completions, **kwargs):
+        # Distinct rewards within the group: nonzero advantages, so every completion is back-propagated.
+        return [float(i) for i in range(len(completions))]
+
+    if impl == "stock":
+        trainer = GRPOTrainer(model_path, reward, GRPOConfig(**common), train_dataset=dataset)
+    else:
+        config = LongStrawGRPOConfig(**common, prompt_gradient=impl, prefill_chunk_size=chunk, prefill_progress=False)
+        trainer = LongStrawGRPOTrainer(model_path, reward, config, train_dataset=dataset)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return trainer
+
+
+def worker(args) -> None:
+    """Measures one configuration and prints one `RESULT {json}` line."""
+    import gc
+
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    record = dict(family=args.family, impl=args.impl, P=args.P, G=args.G, C=args.C, chunk=args.chunk)
+    limit = int(args.mem_limit_gib * GIB)
+    trainer = build_trainer(args.impl, args.model_path, args.G, args.C, args.chunk, args.dtype)
+    model = trainer.model
+    model.train()
+    trainer.training_step(model, [{"prompt": prompt_text(64, 1)}] * args.G, None)
+    model.zero_grad(set_to_none=False)
+    for engine in getattr(trainer, "_engines", {}).values():
+        engine.release()
+    batch = [{"prompt": prompt_text(args.P, 0)}] * args.G
+    gc.collect()
+    baseline = _rss()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (_status_kib("VmSize") * 1024 + limit + GIB, hard))
+
+    def over_limit(growth):
+        _emit({**record, "status": "OOM", "growth_bytes": growth, "note": f"growth passed {args.mem_limit_gib} GiB"})
+        os._exit(3)
+
+    phases: dict[str, dict] = {}
+    generate = trainer._generate_and_score_completions
+
+    def measured_generation(inputs):
+        with PeakRSS(baseline, limit, over_limit) as peak:
+            t0 = time.perf_counter()
+            out = generate(inputs)
+            seconds = time.perf_counter() - t0
+        phases["generation"] = {"time_s": seconds, "peak_bytes": peak.peak(), "method": peak.method}
+        # The loss phase starts now: a fresh high-water mark.
+        phases["loss_meter"] = PeakRSS(baseline, limit, over_limit).__enter__()
+        phases["loss_start"] = time.perf_counter()
+        return out
+
+    trainer._generate_and_score_completions = measured_generation
+    try:
+        t0 = time.perf_counter()
+        trainer.training_step(model, batch, None)
+        total = time.perf_counter() - t0
+    except (RuntimeError, MemoryError) as e:
+        if "memory" not in str(e).lower() and not isinstance(e, MemoryError):
+            raise
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        _emit({**record, "status": "OOM", "note": str(e).splitlines()[0][:200]})
+        return
+    meter = phases.pop("loss_meter")
+    meter.__exit__(None, None, None)
+    phases["loss"] = {"time_s": time.perf_counter() - phases.pop("loss_start"), "peak_bytes": meter.peak()}
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    record.update(status="ok", time_s=total, rss_before=baseline, memory_method=phases["generation"].pop("method"))
+    for name, phase in phases.items():
+        record[f"{name}_time_s"] = phase["time_s"]
+        record[f"{name}_peak_bytes"] = phase["peak_bytes"]
+        record[f"{name}_growth_bytes"] = phase["peak_bytes"] - baseline
+    record["peak_bytes"] = max(record["generation_peak_bytes"], record["loss_peak_bytes"])
+    metrics = trainer._metrics["train"]
+    for key in ("prompt_positions", "prompt_positions_reused", "state_gib"):
+        if metrics.get(f"longstraw/{key}"):
+            record[key] = metrics[f"longstraw/{key}"][-1]
+    _emit(record)
+
+
+# --------------------------------------------------------------------------------------------------------- driver
+def run_config(args, model_path: str, impl: str, p: int) -> dict:
+    """Runs one configuration in a fresh process; returns its record (status ok / OOM / timeout / error)."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        f"--family={args.family}",
+        f"--impl={impl}",
+        f"--P={p}",
+        f"--G={args.G}",
+        f"--C={args.C}",
+        f"--chunk={args.chunk}",
+        f"--dtype={args.dtype}",
+        f"--threads={args.threads}",
+        f"--model-path={model_path}",
+        f"--mem-limit-gib={args.mem_limit_gib}",
+    ]
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    record = dict(family=args.family, impl=impl, P=p, G=args.G, C=args.C, chunk=args.chunk)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        record.update(status="timeout", note=f"> {args.timeout:.0f} s wall")
+    else:
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if lines:
+            record = json.loads(lines[-1][len("RESULT ") :])
+        elif proc.returncode in (-9, 137):
+            record.update(status="OOM", note="killed (SIGKILL)")
+        else:
+            record.update(status="error", note=(proc.stderr.strip().splitlines() or ["?"])[-1][:300])
+    record["wall_s"] = time.perf_counter() - t0
+    print(" ", fmt_record(record), flush=True)
+    return record
+
+
+def size(n) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 4 else f"{n / 2**20:.1f} MiB"
+
+
+def fmt_record(r: dict) -> str:
+    head = f"{r['family']:<12} {r['impl']:<9} P={r['P']:<7} G={r['G']:<2} C={r['C']:<4}"
+    if r["status"] != "ok":
+        return f"{head} {r['status']} {r.get('note', '')}"
+    return (
+        f"{head} generation {size(r['generation_growth_bytes']):>10} {r['generation_time_s']:7.1f} s  "
+        f"loss {size(r['loss_growth_bytes']):>10} {r['loss_time_s']:7.1f} s  peak RSS {size(r['peak_bytes'])}"
+    )
+
+
+def cell(r: dict | None, phase: str) -> str:
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return r["status"] + (f" ({r['note']})" if r.get("note") else "")
+    return f"{size(r[f'{phase}_growth_bytes'])} / {r[f'{phase}_time_s']:.1f} s"
+
+
+def ratio(a: dict | None, b: dict | None, key: str) -> str:
+    if not (a and b and a["status"] == "ok" and b["status"] == "ok") or b[key] <= 0:
+        return ""
+    return f"{a[key] / b[key]:.1f}x"
+
+
+def report(args, records: list[dict], command: str, date: str) -> list[str]:
+    def get(impl, p):
+        return next((r for r in records if r["impl"] == impl and r["P"] == p), None)
+
+    lines = [
+        "# Whole GRPO step (generation + loss): stock against LongStraw",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Date: {date}. Machine: {hardware()}; {versions()}. One torch thread per process; the machine is shared, so",
+        "times are noisy and only the ratios within this run compare.",
+        "",
+        f"Tiny random `{args.family}` (trl_longstraw.testing), {args.dtype}, gradient checkpointing, G = {args.G},",
+        f"C = {args.C} (sampling with `min_new_tokens = C`), prefill chunk {args.chunk}. Each cell: peak RSS growth",
+        "over the process's RSS before the step / wall time of the phase; each configuration in a fresh process after",
+        "a 64-token warm-up step (benchmarks/bench_whole_step.py explains the method).",
+        "",
+        "| P | impl | generation | loss | whole step | peak RSS (process) | prompt positions prefilled / reused by "
+        "the loss pass |",
+        "|---:|---|---|---|---:|---:|---|",
+    ]
+    for p in args.P:
+        for impl in args.impls:
+            r = get(impl, p)
+            if r is None:
+                continue
+            whole = f"{r['time_s']:.1f} s" if r["status"] == "ok" else ""
+            peak = size(r["peak_bytes"]) if r["status"] == "ok" else ""
+            reused = (
+                f"{r.get('prompt_positions', 0):.0f} / {r.get('prompt_positions_reused', 0):.0f}"
+                if r["status"] == "ok" and impl != "stock"
+                else ""
+            )
+            lines.append(
+                f"| {p:,} | {impl} | {cell(r, 'generation')} | {cell(r, 'loss')} | {whole} | {peak} | {reused} |"
+            )
+    lines += ["", "Ratios, stock / ours (growth of the whole step's peak; wall time of the whole step):", ""]
+    lines += ["| P | ours | peak growth stock/ours | time stock/ours |", "|---:|---|---:|---:|"]
+    for p in args.P:
+        stock = get("stock", p)
+        for impl in args.impls:
+            if impl == "stock" or get(impl, p) is None:
+                continue
+            ours = get(impl, p)
+            if stock is not None and stock["status"] == "ok" and ours["status"] == "ok":
+                stock_growth = max(stock["generation_growth_bytes"], stock["loss_growth_bytes"])
+                ours_growth = max(ours["generation_growth_bytes"], ours["loss_growth_bytes"])
+                growth = f"{stock_growth / ours_growth:.1f}x"
+            else:
+                growth = "stock " + (stock["status"] if stock else "not run")
+            lines.append(f"| {p:,} | {impl} | {growth} | {ratio(stock, ours, 'time_s')} |")
+    lines += [
+        "",
+        f"Target: ours' generation peak within {GENERATION_MARGIN:.0%} of ours' loss-step peak (growth):",
+        "",
+    ]
+    for p in args.P:
+        for impl in args.impls:
+            r = get(impl, p)
+            if impl == "stock" or r is None or r["status"] != "ok":
+                continue
+            gen, loss = r["generation_growth_bytes"], r["loss_growth_bytes"]
+            verdict = "met" if gen <= (1 + GENERATION_MARGIN) * loss else "NOT met"
+            lines.append(
+                f"- P = {p:,}, {impl}: generation {size(gen)}, loss {size(loss)}, ratio {gen / loss:.2f}: {verdict}"
+            )
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    parser.add_argument("--impl", default="exact", help=argparse.SUPPRESS)
+    parser.add_argument("--family", default="qwen3_5")
+    parser.add_argument("--P", default="32K", help="prompt lengths, comma-separated (K = 1024)")
+    parser.add_argument("--G", type=int, default=8)
+    parser.add_argument("--C", type=int, default=128)
+    parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--mem-limit-gib", type=float, default=6.0, help="stop a worker whose growth passes this")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    parser.add_argument("--out", default=str(HERE), help="folder for WHOLE_STEP.md and whole_step.json")
+    args = parser.parse_args(argv)
+    if args.worker:
+        args.P = int(args.P)
+        return worker(args)
+
+    from trl_longstraw.testing import save_tiny_model
+
+    args.P = parse_sizes(args.P)
+    args.impls = args.impls.split(",")
+    command = " ".join(["python benchmarks/bench_whole_step.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
+    date = f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
+    tmp = Path(tempfile.mkdtemp(prefix="bench_whole_models_"))
+    model_path = str(save_tiny_model(tmp / args.family, args.family))
+    records = [run_config(args, model_path, impl, p) for p in args.P for impl in args.impls]
+    lines = report(args, records, command, date)
+    print("\n".join(lines))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "WHOLE_STEP.md").write_text("\n".join(lines) + "\n")
+    raw = {"command": command, "date": date, "records": records}
+    (out / "whole_step.json").write_text(json.dumps(raw, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

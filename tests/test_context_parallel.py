@@ -1,0 +1,72 @@
+"""Context-parallel prompt passes: the round plan (`trl_longstraw.context_parallel.plan_rounds`), and the engine's
+exact-mode gradients on 2 processes in fp32 and bf16 autocast (tests/cp_worker.py). The trainer-level 2-process runs
+(gradients, logps, collectives, MLP tokens) are in tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tolerances import BF16_ERROR_FACTOR, SHARDED_GRAD_RTOL
+
+from trl_longstraw.context_parallel import plan_rounds
+
+
+@pytest.mark.parametrize(
+    ("n", "chunk", "world", "expected"),
+    [
+        (0, 5, 2, []),
+        (1, 5, 2, [[(0, 1)]]),  # fewer tokens than ranks: one replicated pass
+        (6, 5, 2, [[(0, 3), (3, 6)]]),  # a short round splits evenly
+        (12, 5, 2, [[(0, 5), (5, 10)], [(10, 11), (11, 12)]]),
+        (11, 5, 2, [[(0, 5), (5, 10)], [(10, 11)]]),
+        (10, 2, 3, [[(0, 2), (2, 4), (4, 6)], [(6, 8), (8, 9), (9, 10)]]),  # the first ranks take the odd tokens
+        (9, 4, 1, [[(0, 4)], [(4, 8)], [(8, 9)]]),
+    ],
+)
+def test_plan_rounds(n, chunk, world, expected):
+    assert plan_rounds(n, chunk, world) == expected
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+@pytest.mark.parametrize("n", [1, 7, 64, 1000, 1031])
+def test_plan_rounds_cover_the_prefix(n, world):
+    """Passes follow each other without gap; a round has one non-empty chunk per rank, of at most the chunk size."""
+    rounds = plan_rounds(n, 64, world)
+    bounds = [b for r in rounds for b in r]
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    for r in rounds:
+        assert len(r) in (1, world)
+        assert all(0 < end - start <= 64 for start, end in r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_context_parallel_gradients_fp32_and_bf16(tiny_model_path, tmp_path, family):
+    """Exact-mode gradients of the engine with context-parallel prompt passes on 2 processes (tests/cp_worker.py):
+    in fp32 equal to one process's (SHARDED_GRAD_RTOL); under bf16 autocast, each parameter's error against the fp32
+    single process at most BF16_ERROR_FACTOR times the bf16 single process's own error."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out.pt"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(root / "tests" / "cp_worker.py"), str(tiny_model_path(family)), str(out)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=380)
+    assert result.returncode == 0 and out.exists(), (result.stdout + result.stderr)[-4000:]
+    runs = torch.load(out)
+    reference = runs["single fp32"]
+
+    def error(grads: dict, name: str) -> float:
+        return ((grads[name] - reference[name]).norm() / reference[name].norm()).item()
+
+    for name, ref in reference.items():
+        assert ref.any(), f"{name} got no gradient"
+        assert error(runs["sharded fp32"], name) <= SHARDED_GRAD_RTOL, name
+        low, ours = error(runs["single bf16"], name), error(runs["sharded bf16"], name)
+        assert 0 < ours <= BF16_ERROR_FACTOR * low, f"{name}: bf16 error {ours:.2e}, one process's {low:.2e}"
