@@ -271,6 +271,18 @@ def query_exchange(config) -> tuple[int, int]:
     return heads * head_dim, heads * head_dim
 
 
+def kept_attention(config) -> tuple[int, int]:
+    """`(output elements, fp32 log-sum-exp elements)` per token that the exact-mode reverse pass keeps for gradient
+    checkpointing's recompute (`attention.prefix_merge_attention`'s `reuse`), summed over the layers whose prompt
+    attention runs through `kv.attend`: every layer of a KV model, the full-attention layers of qwen3_5, none of
+    glm_moe_dsa (its MLA + DSA attention keeps nothing)."""
+    if config.model_type == "glm_moe_dsa":
+        return 0, 0
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    layers = sum(t in ("full_attention", "sliding_attention") for t in types)
+    return layers * query_exchange(config)[1], layers * config.num_attention_heads
+
+
 # ------------------------------------------------------------------------------------------------------- model
 # Activation bytes of one layer, per token, as a multiple of the inputs and outputs of its matmuls (nn.Linear,
 # nn.Conv1d, and the `top_k` active experts of fused MoE weights) in the compute dtype, `(no grad, with autograd)`.
@@ -342,6 +354,8 @@ class ModelStats:
         root_trainable: trainable parameters outside the decoder layers.
         query_exchange: `(query elements, output elements)` per token of one attention layer as a branch round of the
             sharded prompt state exchanges them: all heads' queries, and their outputs (the latent for MLA).
+        kept_attention: `(output elements, log-sum-exp elements)` per token, all layers, that the checkpointed
+            reverse pass keeps for the recompute (`kept_attention`).
         num_experts: routed experts per MoE layer (0 for dense models).
         expert_params, expert_trainable: parameters of the routed experts (fused `[E, out, in]` weights), all layers.
         largest_layer_dense_params, largest_layer_dense_trainable: the largest decoder layer without its routed
@@ -365,6 +379,7 @@ class ModelStats:
     state_fixed: int
     root_trainable: int = 0
     query_exchange: tuple[int, int] = (0, 0)
+    kept_attention: tuple[int, int] = (0, 0)
     num_experts: int = 0
     expert_params: int = 0
     expert_trainable: int = 0
@@ -468,6 +483,7 @@ def model_stats(
         state_fixed=fixed,
         root_trainable=0 if lora_rank else trainable(causal_lm) - sum(trainable(layer) for layer in layers),
         query_exchange=query_exchange(config),
+        kept_attention=kept_attention(config),
         num_experts=max((ps[0].shape[0] for ps in experts if ps), default=0),
         expert_params=sum(expert_counts),
         expert_trainable=sum(expert_trained),
@@ -828,11 +844,22 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         tiles += selection
         scored += f" + {_size(selection)} of DSA top-k candidates"
     if exact:
+        reverse_per_token = graph_per_token
+        if u.gradient_checkpointing:
+            # Each attention layer's output and log-sum-exp, kept from the forward for the recompute.
+            outputs, lses = s.kept_attention
+            reverse_per_token += outputs * u.compute_bytes + lses * 4
         items.append(
             Item(
                 "chunk activations",
-                chunk * graph_per_token + tiles,
-                f"{chunk:,} tokens x {_size(graph_per_token)} (reverse pass, with autograd){scored}",
+                chunk * reverse_per_token + tiles,
+                f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
+                + (
+                    ", attention outputs kept for the recompute)"
+                    if u.gradient_checkpointing and any(s.kept_attention)
+                    else ")"
+                )
+                + scored,
                 phase="activations",
             )
         )
