@@ -84,6 +84,27 @@ except ImportError:
 DELTA_RULE_BLOCK = 64
 
 
+def _heads_fp32(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The delta rule's inputs as stock prepares them: key heads repeated to the value heads, `[B, H, T, ...]` in
+    fp32, query and key L2-normalized (not yet scaled: the chunked and the per-token rule scale as their stock
+    counterparts do, which differ in the last bit).
+
+    Args: query, key `[B, T, Hk, Dk]`; value `[B, T, Hv, Dv]`; g, beta `[B, T, Hv]`.
+    Returns: query, key `[B, Hv, T, Dk]`; value `[B, Hv, T, Dv]`; g, beta `[B, Hv, T]`.
+    """
+    v_heads, k_heads = value.shape[-2], key.shape[-2]
+    if v_heads != k_heads:
+        query = query.repeat_interleave(v_heads // k_heads, dim=2)
+        key = key.repeat_interleave(v_heads // k_heads, dim=2)
+    query, key, value, g, beta = (
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for x in (query, key, value, g, beta)
+    )
+    return l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6), value, g, beta
+
+
 def torch_gated_delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -112,16 +133,7 @@ def torch_gated_delta_rule(
     out_dtype = query.dtype
     batch, length, k_heads, k_dim = key.shape
     v_heads, v_dim = value.shape[-2:]
-    if v_heads != k_heads:
-        query = query.repeat_interleave(v_heads // k_heads, dim=2)
-        key = key.repeat_interleave(v_heads // k_heads, dim=2)
-    # [B, H, T, ...] fp32
-    query, key, value, beta, g = (
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for x in (query, key, value, beta, g)
-    )
-    query = l2norm(query, dim=-1, eps=1e-6)
-    key = l2norm(key, dim=-1, eps=1e-6)
+    query, key, value, g, beta = _heads_fp32(query, key, value, g, beta)
     query = query * k_dim**-0.5
 
     # Zero padding to whole blocks: k = 0 and g = 0 leave the state unchanged.
@@ -219,16 +231,7 @@ def torch_recurrent_gated_delta_rule(
     out_dtype = query.dtype
     batch, length, k_heads, k_dim = key.shape
     v_heads, v_dim = value.shape[-2:]
-    if v_heads != k_heads:
-        query = query.repeat_interleave(v_heads // k_heads, dim=2)
-        key = key.repeat_interleave(v_heads // k_heads, dim=2)
-    # [B, H, T, ...] fp32
-    query, key, value, beta, g = (
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for x in (query, key, value, beta, g)
-    )
-    query = l2norm(query, dim=-1, eps=1e-6)
-    key = l2norm(key, dim=-1, eps=1e-6)
+    query, key, value, g, beta = _heads_fp32(query, key, value, g, beta)
     query = query / (query.shape[-1] ** 0.5)
     if initial_state is None:
         state = torch.zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=query.device)
