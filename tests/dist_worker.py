@@ -727,18 +727,6 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = 0
-    try:
-        main(*sys.argv[1:4])
-    except BaseException:
-        import traceback
+    from tests.torchrun_main import run
 
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # Explicit exit: gloo FSDP runs can abort while the interpreter tears down after passing.
-    os._exit(code)
+    run(main, sys.argv[1:4])
