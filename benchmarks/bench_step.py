@@ -264,6 +264,12 @@ def run_config(args, model_paths, family, impl, p, g, chunk, completions="ragged
     }
     record = dict(family=family, impl=impl, P=p, G=g, C=args.C, chunk=chunk, completions=completions)
     timeout = timeout or args.timeout
+    return run_child(cmd, record, timeout, env, fmt_record)
+
+
+def run_child(cmd: list[str], record: dict, timeout: float, env: dict, fmt) -> dict:
+    """Runs one measurement in a fresh process (`worker`, which prints a `RESULT {json}` line) and returns its record,
+    or `record` with the failure (timeout, OOM kill, error); prints it with `fmt` and adds the wall time."""
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -278,7 +284,7 @@ def run_config(args, model_paths, family, impl, p, g, chunk, completions="ragged
         else:
             record.update(status="error", note=(proc.stderr.strip().splitlines() or ["?"])[-1][:300])
     record["wall_s"] = time.perf_counter() - t0
-    print(" ", fmt_record(record), flush=True)
+    print(" ", fmt(record), flush=True)
     return record
 
 

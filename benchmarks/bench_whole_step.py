@@ -30,7 +30,6 @@ import json
 import os
 import resource
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,18 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from bench_step import GIB, MMAP_THRESHOLD, PeakRSS, _emit, _rss, _status_kib, hardware, parse_sizes, versions  # noqa: E402
+from bench_step import (  # noqa: E402
+    GIB,
+    MMAP_THRESHOLD,
+    PeakRSS,
+    _emit,
+    _rss,
+    _status_kib,
+    hardware,
+    parse_sizes,
+    run_child,
+    versions,
+)
 
 IMPLS = ("stock", "exact", "detached")
 # Ours' generation peak must stay within this fraction above ours' loss-step peak (issue 13).
@@ -191,22 +201,7 @@ def run_config(args, model_path: str, impl: str, p: int) -> dict:
         "TOKENIZERS_PARALLELISM": "false",
     }
     record = dict(family=args.family, impl=impl, P=p, G=args.G, C=args.C, chunk=args.chunk)
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        record.update(status="timeout", note=f"> {args.timeout:.0f} s wall")
-    else:
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if lines:
-            record = json.loads(lines[-1][len("RESULT ") :])
-        elif proc.returncode in (-9, 137):
-            record.update(status="OOM", note="killed (SIGKILL)")
-        else:
-            record.update(status="error", note=(proc.stderr.strip().splitlines() or ["?"])[-1][:300])
-    record["wall_s"] = time.perf_counter() - t0
-    print(" ", fmt_record(record), flush=True)
-    return record
+    return run_child(cmd, record, args.timeout, env, fmt_record)
 
 
 def size(n) -> str:
