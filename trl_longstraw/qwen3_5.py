@@ -179,6 +179,29 @@ def torch_gated_delta_rule(
     return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), state
 
 
+def _fla(kernel, query, key, value, g, beta, initial_state) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calls an fla gated-delta-rule `kernel` (chunked or fused recurrent) with q/k L2-normalized in the kernel.
+    Shapes as in `torch_gated_delta_rule`; returns the output and the fp32 final state `[B, Hv, Dk, Dv]`."""
+    v_heads = value.shape[-2]
+    if key.shape[-2] != v_heads:
+        # Older fla releases need as many q/k heads as v heads.
+        query = query.repeat_interleave(v_heads // key.shape[-2], dim=2)
+        key = key.repeat_interleave(v_heads // key.shape[-2], dim=2)
+    out, state = kernel(
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        # A copy: the fused recurrent kernel may update its initial state in place, and decoding rows start from the
+        # prompt's state.
+        initial_state=None if initial_state is None else initial_state.to(torch.float32, copy=True),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out, state.to(torch.float32)
+
+
 def gated_delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -192,22 +215,7 @@ def gated_delta_rule(
     Shapes as in `torch_gated_delta_rule`; the final state is fp32 `[B, Hv, Dk, Dv]`.
     """
     if fla_chunk_gated_delta_rule is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-        v_heads = value.shape[-2]
-        if key.shape[-2] != v_heads:
-            # Older fla releases need as many q/k heads as v heads.
-            query = query.repeat_interleave(v_heads // key.shape[-2], dim=2)
-            key = key.repeat_interleave(v_heads // key.shape[-2], dim=2)
-        out, state = fla_chunk_gated_delta_rule(
-            query,
-            key,
-            value,
-            g=g,
-            beta=beta,
-            initial_state=None if initial_state is None else initial_state.to(torch.float32),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
-        return out, state.to(torch.float32)
+        return _fla(fla_chunk_gated_delta_rule, query, key, value, g, beta, initial_state)
     return torch_gated_delta_rule(query, key, value, g, beta, initial_state)
 
 
@@ -261,22 +269,7 @@ def recurrent_gated_delta_rule(
     runs for decode steps) for CUDA inputs when installed. Shapes as in `torch_gated_delta_rule`; no autograd needed.
     """
     if fla_fused_recurrent_gated_delta_rule is not None and query.is_cuda:
-        v_heads = value.shape[-2]
-        if key.shape[-2] != v_heads:
-            query = query.repeat_interleave(v_heads // key.shape[-2], dim=2)
-            key = key.repeat_interleave(v_heads // key.shape[-2], dim=2)
-        out, state = fla_fused_recurrent_gated_delta_rule(
-            query,
-            key,
-            value,
-            g=g,
-            beta=beta,
-            # A copy: the kernel may update its initial state in place, and decoding rows start from the prompt's.
-            initial_state=None if initial_state is None else initial_state.to(torch.float32, copy=True),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
-        return out, state.to(torch.float32)
+        return _fla(fla_fused_recurrent_gated_delta_rule, query, key, value, g, beta, initial_state)
     return torch_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state)
 
 
