@@ -66,13 +66,11 @@ def test_card_gives_the_planner_verdict_when_the_memory_guard_ran(tiny_model_pat
 def test_memory_guard_estimate_reaches_the_card(tiny_model_path, monkeypatch):
     """The memory guard's check before the first GPU step (its device query faked here, on CPU) keeps the planner's
     estimate, which the card then gives as the verdict for the run's hardware."""
-    import torch
-
     from trl_longstraw import guards
 
     trainer = make_trainer(tiny_model_path("llama"))
     monkeypatch.setattr(guards, "device_free_memory", lambda device: (80 * GIB, 96 * GIB))
-    trainer._check_memory(trainer.model, {"prompt_ids": torch.zeros(1, 100), "completion_ids": torch.zeros(1, 9)})
+    trainer._check_memory(trainer.model, prompt_length=100, completion_length=9)
     estimate = trainer.memory_estimate
     assert estimate["free"] == 80 * GIB and estimate["gpu_memory"] == 96 * GIB
     assert estimate["positions"] == 100 and estimate["completion_length"] == 9
