@@ -32,9 +32,9 @@ from trl_longstraw.expert_parallel import (
     distributed_config,
     local_experts,
     num_experts,
+    prepare,
 )
 from trl_longstraw.testing import build_tokenizer, save_tiny_model, tiny_config
-from trl_longstraw.trainer import _prepare_expert_parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds for the whole 2-process launch; ~30 s on 2 busy cores.
@@ -317,7 +317,7 @@ def test_accelerate_sharding_refused(kind):
     refused before anything is loaded, naming the launch config to use."""
     args = SimpleNamespace(distributed_state=SimpleNamespace(distributed_type=kind))
     with pytest.raises(ValueError, match="recipes/accelerate/expert_parallel.yaml"):
-        _prepare_expert_parallel("unused", args)
+        prepare("unused", args)
 
 
 def test_model_init_kwargs_for_trl(tiny_model_path):
@@ -333,8 +333,8 @@ def test_model_init_kwargs_for_trl(tiny_model_path):
         world_size=4,
         beta=0.0,
     )
-    _prepare_expert_parallel(str(tiny_model_path("glm_moe_dsa")), args)
+    prepare(str(tiny_model_path("glm_moe_dsa")), args)
     assert args.model_init_kwargs == {"dtype": "float32", "distributed_config": distributed_config(4, 2)}
     args.expert_parallel_size = 8
     with pytest.raises(ValueError, match="must divide the 4 experts"):
-        _prepare_expert_parallel(str(tiny_model_path("glm_moe_dsa")), args)
+        prepare(str(tiny_model_path("glm_moe_dsa")), args)

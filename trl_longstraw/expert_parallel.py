@@ -183,3 +183,28 @@ def local_experts(model: torch.nn.Module) -> dict[str, int]:
             local = weight.to_local() if hasattr(weight, "to_local") else weight
             counts[name] = local.shape[0]
     return counts
+
+
+def prepare(model: str | torch.nn.Module, args) -> None:
+    """Before `GRPOTrainer` loads anything: checks the model (a name or path, or the loaded causal LM under its
+    wrappers) against `expert_parallel_size` and sets the `distributed_config` with which TRL loads the policy (given
+    by name) and the reference model."""
+    from accelerate.utils import DistributedType
+
+    if args.distributed_state.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ValueError(
+            "expert_parallel_size > 1: transformers shards the model at load time (FSDP2 and the experts), so "
+            "accelerate must not shard it again: launch with recipes/accelerate/expert_parallel.yaml (a plain "
+            "multi-GPU launch), not an FSDP or DeepSpeed accelerate config."
+        )
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        kwargs = args.model_init_kwargs or {}
+        remote = kwargs.get("trust_remote_code", args.trust_remote_code)
+        config = AutoConfig.from_pretrained(model, revision=kwargs.get("revision"), trust_remote_code=remote)
+        check_model_config(config, args.expert_parallel_size)
+    else:
+        check_loaded(model, args.expert_parallel_size, args.fsdp_cpu_offload)
+    if isinstance(model, str) or args.beta != 0.0:  # what TRL loads with them: the policy by name, the reference
+        args.model_init_kwargs = model_init_kwargs(args, args.world_size)

@@ -83,7 +83,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         _check_args(args)
         guards.check_reward_weights(reward_funcs, args.reward_weights)
         if args.expert_parallel_size > 1:
-            _prepare_expert_parallel(model, args)
+            # Before `GRPOTrainer` loads anything: TRL loads the policy (given by name) and the reference model with
+            # the `distributed_config` set here.
+            expert_parallel.prepare(model if isinstance(model, str) else _causal_lm(model), args)
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._check_setup()
         self._window_warned = False
@@ -788,28 +790,6 @@ class EpochSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.sampler)
-
-
-def _prepare_expert_parallel(model, args: LongStrawGRPOConfig) -> None:
-    """Before `GRPOTrainer` loads anything: checks the model against `expert_parallel_size` and sets the
-    `distributed_config` with which TRL loads the policy (given by name) and the reference model."""
-    if args.distributed_state.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise ValueError(
-            "expert_parallel_size > 1: transformers shards the model at load time (FSDP2 and the experts), so "
-            "accelerate must not shard it again: launch with recipes/accelerate/expert_parallel.yaml (a plain "
-            "multi-GPU launch), not an FSDP or DeepSpeed accelerate config."
-        )
-    if isinstance(model, str):
-        from transformers import AutoConfig
-
-        kwargs = args.model_init_kwargs or {}
-        remote = kwargs.get("trust_remote_code", args.trust_remote_code)
-        config = AutoConfig.from_pretrained(model, revision=kwargs.get("revision"), trust_remote_code=remote)
-        expert_parallel.check_model_config(config, args.expert_parallel_size)
-    else:
-        expert_parallel.check_loaded(_causal_lm(model), args.expert_parallel_size, args.fsdp_cpu_offload)
-    if isinstance(model, str) or args.beta != 0.0:  # what TRL loads with them: the policy by name, the reference
-        args.model_init_kwargs = expert_parallel.model_init_kwargs(args, args.world_size)
 
 
 def _check_args(args: LongStrawGRPOConfig, world_size: int | None = None) -> None:
