@@ -4,8 +4,10 @@ backward with context-parallel prompt passes, in fp32 and under bf16 autocast (T
 Launched as `torchrun --nproc_per_node 2 tests/cp_worker.py MODEL_PATH OUT`. Every rank first runs the whole
 micro-batch alone (no shards: fp32, then bf16 autocast), then its own rows with the prompt state sharded over both
 ranks (fp32, bf16), whose gradients are summed over the ranks. The micro-batch: one prompt of 61 tokens in chunks
-of 7 (60 prefix tokens: 4 rounds of 2 chunks of 7, then a round of 2 + 2), 2 + 2 ragged completions. Rank 0 writes
-the four gradient sets to `OUT`.
+of 7 (60 prefix tokens: 4 rounds of 2 chunks of 7, then a round of 2 + 2), 2 + 2 ragged completions. Then, under
+gradient checkpointing, the sharded fp32 run twice: with the reverse pass's attention reuse (each checkpoint
+recompute takes its attention layer's kept output instead of exchanging and attending again) and without it, counting
+fused attention forwards and all-to-alls. Rank 0 writes the gradient sets and counts to `OUT`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def main(model_path: str, out_path: str) -> None:
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
+    from trl_longstraw import attention, engine, sharding
     from trl_longstraw.adapters import get_adapter
     from trl_longstraw.engine import Engine
     from trl_longstraw.sharding import PromptShards
@@ -66,6 +69,28 @@ def main(model_path: str, out_path: str) -> None:
         "sharded fp32": run(shards, contextlib.nullcontext),
         "sharded bf16": run(shards, bf16),
     }
+
+    counts = {"kernel": 0, "all_to_all": 0}
+    kernel_forward, all_to_all = attention._kernel_forward, dist.all_to_all_single
+
+    def counted_kernel(*args):
+        counts["kernel"] += 1
+        return kernel_forward(*args)
+
+    def counted_all_to_all(*args, **kwargs):
+        counts["all_to_all"] += 1
+        return all_to_all(*args, **kwargs)
+
+    attention._kernel_forward = sharding._kernel_forward = counted_kernel
+    dist.all_to_all_single = counted_all_to_all
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # transformers checkpoints only in training mode; the tiny models have no dropout
+    results["sharded fp32 checkpointed, reuse"] = run(shards, contextlib.nullcontext)
+    results["counts, reuse"] = dict(counts)
+    counts.update(kernel=0, all_to_all=0)
+    engine.Pass.attention_reuse = lambda self, layer_idx: None
+    results["sharded fp32 checkpointed, no reuse"] = run(shards, contextlib.nullcontext)
+    results["counts, no reuse"] = dict(counts)
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()
