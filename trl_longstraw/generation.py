@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig
 from transformers.generation import GenerationMode
-from trl.trainer.utils import pad
 
 from .distributed import fsdp2_gathered
 from .engine import Engine, Pass, PromptGroup, PromptState, use_pass
@@ -204,6 +203,13 @@ def shared_prompt_decoder(
         if offer:
             engine.offer(group, state)
         tail = engine.adapter.decode_tail(generation_config.max_length - width)
+        # The rows' ids `[G, width + max new tokens]`, filled one column per step; `ids` is the view of what is
+        # decoded so far, which the logits processors and stopping criteria read as stock's `input_ids`. Allocated
+        # after the prefill and written in place, where stock concatenates a new `[G, width + t]` tensor per step.
+        buffer = input_ids.new_empty(rows, max(generation_config.max_length, width + 1))
+        buffer[:, :width] = input_ids
+        ids = buffer[:, :width]
+        del input_ids
         step_ids = prompt[-1:].expand(rows)
         position = prompt.shape[0] - 1
         with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail, shards)):
@@ -214,12 +220,12 @@ def shared_prompt_decoder(
                 with engine.autocast(), engine.rope.pinned(longest + position - (prompt.shape[0] - 1)):
                     outputs = engine.causal_lm(
                         input_ids=step_ids[:, None],
-                        position_ids=torch.full((rows, 1), position, device=input_ids.device),
+                        position_ids=torch.full((rows, 1), position, device=buffer.device),
                         use_cache=False,
                     )
-                next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+                next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=buffer.device)
                 del outputs
-                next_token_scores = logits_processor(input_ids, next_token_logits)
+                next_token_scores = logits_processor(ids, next_token_logits)
                 if generation_config.do_sample:
                     probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
                     next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -227,10 +233,13 @@ def shared_prompt_decoder(
                     next_tokens = torch.argmax(next_token_scores, dim=-1)
                 if has_eos_stopping_criteria:
                     next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
-                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-                unfinished = unfinished & ~stopping_criteria(input_ids, None)
+                if ids.shape[1] == buffer.shape[1]:  # a stopping criterion past max_length: grow as stock's cat
+                    buffer = torch.cat([buffer, buffer.new_empty(rows, buffer.shape[1])], dim=1)
+                buffer[:, ids.shape[1]] = next_tokens
+                ids = buffer[:, : ids.shape[1] + 1]
+                unfinished = unfinished & ~stopping_criteria(ids, None)
                 if not _any_unfinished(unfinished, shards):
-                    return input_ids
+                    return ids
                 step_ids = next_tokens
                 position += 1
 
@@ -292,11 +301,11 @@ def generate_shared(
     Returns:
         Per row, the generated ids up to and including the first EOS.
     """
-    tensors = [torch.tensor(ids) for ids in prompt_ids]
-    padded = pad(tensors, padding_value=pad_token_id, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
-    ones = [torch.ones_like(t) for t in tensors]
-    mask = pad(ones, padding_value=0, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
-    padded, mask = padded.to(device), mask.to(device)
+    # The batch width of stock's left padding; each prompt's rows are built from one padded row (views), not as a
+    # `[B, width]` copy of the whole batch.
+    width = max(len(ids) for ids in prompt_ids)
+    if pad_to_multiple_of is not None:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     groups: dict[tuple[int, ...], list[int]] = {}
     for row, ids in enumerate(prompt_ids):
         groups.setdefault(tuple(ids), []).append(row)
@@ -317,21 +326,26 @@ def generate_shared(
     most_steps = -1
     for (tokens, rows), counts in zip(items, rows_per_rank, strict=True):
         engine.rope.restore(start)
-        offer = offer_boundaries is not None and len(tokens) == padded.shape[1]
+        offer = offer_boundaries is not None and len(tokens) == width
+        prompt = torch.tensor(tokens, device=device)
         decoder = shared_prompt_decoder(
-            engine,
-            torch.tensor(tokens, device=device),
-            longest,
-            counts,
-            offer=offer,
-            boundaries=bool(offer_boundaries),
+            engine, prompt, longest, counts, offer=offer, boundaries=bool(offer_boundaries)
         )
+        # The rows as `generate` receives them in stock, left-padded to the batch width: one row, expanded.
+        padded = torch.full((1, width), pad_token_id, dtype=prompt.dtype, device=device)
+        padded[0, width - len(tokens) :] = prompt
+        mask = torch.zeros((1, width), dtype=prompt.dtype, device=device)
+        mask[0, width - len(tokens) :] = 1
         out = model.generate(
-            input_ids=padded[rows], attention_mask=mask[rows], generation_config=config, custom_generate=decoder
+            input_ids=padded.expand(len(rows), -1),
+            attention_mask=mask.expand(len(rows), -1),
+            generation_config=config,
+            custom_generate=decoder,
         )
+        del padded, mask
         if out.shape[1] > most_steps:
             most_steps, final = out.shape[1], engine.rope.snapshot()
-        for row, completion in zip(rows, trim_after_eos(out[:, padded.shape[1] :], eos_token_ids), strict=True):
+        for row, completion in zip(rows, trim_after_eos(out[:, width:], eos_token_ids), strict=True):
             completions[row] = completion
     engine.rope.restore(final)
     return completions
