@@ -17,7 +17,7 @@ accept.
 
 How it fits the engine's passes. The experts' all-to-alls are collectives of the EP group inside every MoE layer's
 forward and backward, so every rank must run the same passes in the same order, which the engine already does for
-per-layer FSDP2 in two ways (`Engine.fsdp_per_pass`), both of which FSDP2 then gathers layer by layer:
+per-layer FSDP2 in two ways (`Engine.lockstep`), both of which FSDP2 then gathers layer by layer:
 
 - the prompt state sharded over all processes (`shard_prompt_state=True`, `prompt_shard_group_size: 0`): every rank
   runs every prefill and reverse chunk, and branches in rounds (a rank short of completions runs a zero-weight

@@ -189,7 +189,7 @@ def shared_prompt_decoder(
             raise ValueError("shared-prompt generation does not stream: remove the streamer.")
         # Under FSDP2 (then in lockstep: synced_gpus) the root's own parameters stay gathered, as the prefill calls
         # the backbone, and the layers gather pass by pass.
-        with fsdp2_gathered(engine.model, per_pass=True):
+        with fsdp2_gathered(engine.model):
             return _decode(input_ids, logits_processor, stopping_criteria, generation_config)
 
     def _decode(input_ids, logits_processor, stopping_criteria, generation_config: GenerationConfig):

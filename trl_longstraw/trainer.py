@@ -219,12 +219,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         size = shard_group_size(world, self.args.prompt_shard_group_size, self.num_generations, rows)
         if size == world:
             return PromptShards(None)
-        if self.is_fsdp_enabled:
-            logger.warning(
-                f"prompt_shard_group_size={size} < {world} processes under FSDP: the shard groups run different "
-                "passes, so the engine gathers the whole model for each call instead of layer by layer. Set "
-                "prompt_shard_group_size=0 (one group of all processes) unless the model fits whole on one GPU."
-            )
+        # Under FSDP2 the groups run their passes padded to the world's agreed counts (`Engine.lockstep`), so FSDP2
+        # still gathers layer by layer.
         group = None
         for first in range(0, world, size):  # every rank creates every group, as new_group requires
             ranks = list(range(first, first + size))
