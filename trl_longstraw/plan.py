@@ -715,7 +715,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
     if shards > 1 and (not u.shard_prompt_state or state_parts == u.gpus):
         # Lockstep passes (the sharded state's over all GPUs, or the data-parallel one: equal pass counts per rank):
-        # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the root's own
+        # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered); the root's own
         # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass. Routed
         # experts under expert parallelism are never gathered.
         layer, layer_trainable = s.largest_layer_params, s.largest_layer_trainable
