@@ -135,13 +135,50 @@ def torch_gated_delta_rule(
     out_dtype = query.dtype
     batch, length, k_heads, k_dim = key.shape
     v_heads, v_dim = value.shape[-2:]
+    blocks = -(-length // block)
+    # The within-block terms take `[B, H, n, block, block]` per tensor for n blocks. Computed for every block at once
+    # when autograd records (one graph node per operation, so the backward stays linear in the length); without it
+    # (prefill, scoring), for groups of blocks whose such tensor is no larger than the layer's values `[B, H, T, Dv]`,
+    # the inputs converted group by group too, so that the transient memory of a chunk does not exceed its inputs'.
+    # Every operation before the scan is per token or per block, so the results are the same bits.
     recording = torch.is_grad_enabled() and any(
         x.requires_grad for x in (query, key, value, g, beta, initial_state) if x is not None
     )
+    per_group = blocks if recording else max(1, blocks * v_dim // block)
+    upper = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
+
+    if initial_state is None:
+        state = torch.zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=query.device)
+    else:
+        state = initial_state.to(torch.float32)
+    outputs = []
+    for first in range(0, blocks, per_group):
+        inputs = (query, key, value, g, beta)
+        if per_group < blocks:
+            span = slice(first * block, min((first + per_group) * block, length))
+            inputs = tuple(x[:, span] for x in inputs)
+        terms = _block_terms(*_blocked(*inputs, block), upper)
+        # Across blocks: the sequential scan. `unbind` has one backward for all blocks, where indexing would have one
+        # full-size gradient buffer per block.
+        for q_i, k_i, a_i, u_i, w_i, d_i in zip(*(x.unbind(2) for x in terms), strict=True):
+            v_new = u_i - w_i @ state
+            outputs.append(q_i @ state + a_i @ v_new)
+            state = state * d_i + k_i.transpose(-1, -2) @ v_new
+        del terms
+    out = torch.stack(outputs, dim=2).reshape(batch, v_heads, -1, v_dim)[:, :, :length]
+    return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), state
+
+
+def _blocked(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, block: int
+) -> tuple[torch.Tensor, ...]:
+    """The delta rule's inputs over `n` tokens (shapes as in `torch_gated_delta_rule`) as its blocks: scaled query,
+    key, `beta`-weighted key and value `[B, H, N, block, D]` in fp32, and `g` `[B, H, N, block]`, zero-padded to
+    whole blocks (k = 0 and g = 0 leave the state unchanged)."""
+    batch, length, k_heads, k_dim = key.shape
+    v_heads = value.shape[-2]
     query, key, value, g, beta = _heads_fp32(query, key, value, g, beta)
     query = query * k_dim**-0.5
-
-    # Zero padding to whole blocks: k = 0 and g = 0 leave the state unchanged.
     pad = (block - length % block) % block
     if pad:  # F.pad copies even when there is nothing to pad
         query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
@@ -153,35 +190,7 @@ def torch_gated_delta_rule(
     query, key, k_beta, v_beta = (
         x.reshape(batch, v_heads, -1, block, x.shape[-1]) for x in (query, key, k_beta, v_beta)
     )
-    g = g.reshape(batch, v_heads, -1, block)
-    blocks = g.shape[2]
-    # The within-block terms take `[B, H, n, block, block]` per tensor for n blocks. Computed for every block at once
-    # when autograd records (one graph node per operation, so the backward stays linear in the length); without it
-    # (prefill, scoring), in groups of blocks whose such tensor is no larger than the layer's values `[B, H, T, Dv]`,
-    # so that the transient memory of a chunk does not exceed its inputs'. Each group runs the same operations on its
-    # slice, so the results are the same bits.
-    per_group = blocks if recording else max(1, blocks * v_dim // block)
-    upper = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
-
-    if initial_state is None:
-        state = torch.zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=query.device)
-    else:
-        state = initial_state.to(torch.float32)
-    outputs = []
-    for start in range(0, blocks, per_group):
-        group = slice(start, start + per_group)
-        terms = _block_terms(
-            query[:, :, group], key[:, :, group], k_beta[:, :, group], v_beta[:, :, group], g[:, :, group], upper
-        )
-        # Across blocks: the sequential scan. `unbind` has one backward for all blocks, where indexing would have one
-        # full-size gradient buffer per block.
-        for q_i, k_i, a_i, u_i, w_i, d_i in zip(*(x.unbind(2) for x in terms), strict=True):
-            v_new = u_i - w_i @ state
-            outputs.append(q_i @ state + a_i @ v_new)
-            state = state * d_i + k_i.transpose(-1, -2) @ v_new
-        del terms
-    out = torch.stack(outputs, dim=2).reshape(batch, v_heads, -1, v_dim)[:, :, :length]
-    return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), state
+    return query, key, k_beta, v_beta, g.reshape(batch, v_heads, -1, block)
 
 
 def _block_terms(
