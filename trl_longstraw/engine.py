@@ -530,6 +530,19 @@ class Engine:
         """Whether `prefill(..., reuse=True)` of the prompt `key` returns a held state instead of prefilling."""
         return self._take(key, boundaries) is not None
 
+    def _agree_held(self, groups: list[PromptGroup], boundaries: bool, device) -> None:
+        """Sharded: the ranks of the shard group take the held state of a prompt of `groups` (in the order `agree`
+        gave every rank) only if every rank can (`_reusable`), as they prefill it together otherwise; a rank that
+        could drops its own (one all-reduce). In practice they hold the same states (generation offered them
+        together), so this keeps a disagreement, e.g. a state dropped on one rank only, from hanging the group."""
+        if not groups:
+            return
+        flags = [int(self._reusable(_key(g), boundaries)) for g in groups]
+        lowest, _ = self.shards.extremes(flags, device)
+        for group, mine, everyone in zip(groups, flags, lowest, strict=True):
+            if mine and not everyone:
+                self._held.pop(_key(group), None)
+
     def _num_chunks(self, group: PromptGroup) -> int:
         """Prefill (and reverse) chunks of `group`'s prompt."""
         return len(self._chunks(group.tokens.shape[0] - 1))
@@ -701,6 +714,7 @@ class Engine:
         lengths: list[int],
         passes: Callable[[PromptGroup, list[int]], tuple[int, int, int]],
         device,
+        boundaries: bool | None = None,
     ) -> list[Slot]:
         """The prompts to run and, for each, its branch rows.
 
@@ -710,6 +724,9 @@ class Engine:
         stays first; then empty slots up to the largest number of prompts of any rank; each slot with the pass counts
         agreed by one all-reduce over the world (see `Slot`). Sharded: the prompts in the order agreed by the group,
         and rounds in which every rank runs one branch (its own or a filler), declared to `shards` round by round.
+
+        `boundaries`, unless None (a call that takes held states: the policy's loss pass), sharded: the ranks agree
+        which held states they take (`_agree_held`), with or without the chunk boundaries.
         """
         if self.lockstep:
             work = [(g, rs, passes(g, rs)) for g, rs in zip(groups, rows, strict=True) if rs]
@@ -722,6 +739,8 @@ class Engine:
         if self.shards is None:
             return [Slot(g, rs) for g, rs in zip(groups, rows, strict=True)]
         order, plan = self.shards.agree(groups, [[lengths[r] for r in rs] for rs in rows])
+        if boundaries is not None:
+            self._agree_held([groups[i] for i in order], boundaries, device)
 
         def rounds(mine: list[int], everyone: list[list[int]]) -> Iterator[int | None]:
             for i in range(max(len(theirs) for theirs in everyone)):
@@ -774,7 +793,8 @@ class Engine:
             return self._num_chunks(group), branches, 0
 
         rows = [[r for r in g.rows if lengths[r] > 0] for g in groups]
-        for slot in self._schedule(groups, rows, lengths, passes, device):
+        takes = boundaries if reuse or keep else None
+        for slot in self._schedule(groups, rows, lengths, passes, device, boundaries=takes):
             group = slot.group
             taken = group is not None and (reuse or keep) and self._reusable(_key(group), boundaries)
             if group is None:
@@ -869,7 +889,7 @@ class Engine:
 
         schedule = [
             slot
-            for slot in self._schedule(groups, live, lengths, passes, device)
+            for slot in self._schedule(groups, live, lengths, passes, device, boundaries=exact)
             if self.shards is not None or slot.passes is not None or slot.rows
         ]
         if self.shards is not None:

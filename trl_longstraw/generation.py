@@ -145,6 +145,7 @@ def shared_prompt_decoder(
     rows_per_rank: list[int] | None = None,
     offer: bool = False,
     boundaries: bool = False,
+    offset: int = 0,
 ) -> Callable:
     """A `custom_generate` callable for `model.generate` that decodes rows which all hold `prompt`.
 
@@ -159,9 +160,13 @@ def shared_prompt_decoder(
             step until every rank's rows are done (a rank whose rows finished early appends padding, as stock does
             after EOS, which `trim_after_eos` drops).
         offer: hand the prompt state to the engine's next loss pass (`Engine.offer`), which then does not prefill
-            this prompt again while the weights are unchanged. Its positions start at 0, as a loss-pass row whose
-            prompt has no left padding.
+            this prompt again while the weights are unchanged.
         boundaries: prefill with the recurrent chunk boundaries (an offer to an exact-mode loss pass).
+        offset: the position of the first prompt token (default 0, as `generate` numbers them). An offered state
+            is prefilled at the positions the loss pass gives the prompt, after its left padding in the batch (stock's
+            forward numbers padded rows from 0), and the steps decode at the positions that follow: under RoPE the
+            attention scores depend only on differences of positions, so the decoded distribution is `generate`'s up
+            to float rounding.
     """
     longest = longest or prompt.shape[0]
     shards = engine.shards
@@ -197,21 +202,23 @@ def shared_prompt_decoder(
         pad_token_id = generation_config._pad_token_tensor
         has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
         unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
-        # Positions as generate derives them from the attention mask: the first real prompt token is at 0.
-        group = PromptGroup(tokens=prompt, pad=0, rows=list(range(rows)))
+        # Positions as generate derives them from the attention mask (the first real prompt token at 0), or after
+        # the left padding the loss pass gives the prompt (`offset`).
+        group = PromptGroup(tokens=prompt, pad=offset, rows=list(range(rows)))
         with engine.rope.pinned(longest):
             state = engine.prefill(group, boundaries=boundaries)
         if offer:
             engine.offer(group, state)
         tail = engine.adapter.decode_tail(generation_config.max_length - width)
         step_ids = prompt[-1:].expand(rows)
-        position = prompt.shape[0] - 1
+        step = 0
         with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail, shards)):
             while True:
                 if shards is not None:
                     shards.branch_round(rows_per_rank)
+                position = offset + prompt.shape[0] - 1 + step
                 # The prefill's and the loss pass's precision (see `engine`); the RoPE of `generate` at this length.
-                with engine.autocast(), engine.rope.pinned(longest + position - (prompt.shape[0] - 1)):
+                with engine.autocast(), engine.rope.pinned(longest + step):
                     outputs = engine.causal_lm(
                         input_ids=step_ids[:, None],
                         position_ids=torch.full((rows, 1), position, device=input_ids.device),
@@ -232,7 +239,7 @@ def shared_prompt_decoder(
                 if not _any_unfinished(unfinished, shards):
                     return input_ids
                 step_ids = next_tokens
-                position += 1
+                step += 1
 
     return decode
 
@@ -286,9 +293,12 @@ def generate_shared(
         model: the model `generate` is called on (unwrapped, PEFT adapters active).
         engine: the engine of that model.
         generation_config: the trainer's generation config; checked with `check_generation_config`.
-        offer_boundaries: unless None, the state of every prompt that the loss pass runs at the same positions (one
-            without left padding in the batch) is offered to it (`Engine.offer`), prefilled with chunk boundaries if
-            True (exact mode). Shorter prompts are prefilled again by the loss pass, at their padded positions.
+        offer_boundaries: unless None, the state of every prompt is offered to the loss pass (`Engine.offer`),
+            prefilled with chunk boundaries if True (exact mode), at the positions the loss pass gives the prompt:
+            after its left padding in this batch, as stock's forward numbers padded rows (the rows then decode at
+            the positions that follow; see `shared_prompt_decoder`'s `offset`). With a sharded prompt state, a prompt
+            is offered only if every rank of the shard group pads it alike (the ranks prefill it together); the
+            others are prefilled at `generate`'s positions and not offered.
     Returns:
         Per row, the generated ids up to and including the first EOS.
     """
@@ -308,6 +318,15 @@ def generate_shared(
         order, plan = engine.shards.agree(keyed, [[len(rows)] for _, rows in items])
         items = [items[i] for i in order]
         rows_per_rank = [[counts[0] for counts in ranks] for ranks in plan]
+    # Left padding of each prompt in the batch, where the loss pass places it (offers only).
+    offsets: list[int | None] = [None] * len(items)
+    if offer_boundaries is not None:
+        offsets = [padded.shape[1] - len(tokens) for tokens, _ in items]
+        if engine.shards is not None and offsets:
+            # The ranks prefill a prompt together, so they place it alike: they offer it only where their loss
+            # passes will look it up under the same padding.
+            lowest, highest = engine.shards.extremes(offsets, device)
+            offsets = [o if low == high else None for o, low, high in zip(offsets, lowest, highest, strict=True)]
     config = generation_config_for_decoder(generation_config)
     completions: list[list[int]] = [[] for _ in prompt_ids]
     # Per-call RoPE: each prompt decodes from the state stock's one `generate` starts from, and the state left
@@ -315,16 +334,16 @@ def generate_shared(
     longest = max(len(ids) for ids in prompt_ids)
     start = final = engine.rope.snapshot()
     most_steps = -1
-    for (tokens, rows), counts in zip(items, rows_per_rank, strict=True):
+    for (tokens, rows), counts, offset in zip(items, rows_per_rank, offsets, strict=True):
         engine.rope.restore(start)
-        offer = offer_boundaries is not None and len(tokens) == padded.shape[1]
         decoder = shared_prompt_decoder(
             engine,
             torch.tensor(tokens, device=device),
             longest,
             counts,
-            offer=offer,
-            boundaries=bool(offer_boundaries),
+            offer=offset is not None,
+            boundaries=offset is not None and bool(offer_boundaries),
+            offset=offset or 0,
         )
         out = model.generate(
             input_ids=padded[rows], attention_mask=mask[rows], generation_config=config, custom_generate=decoder
