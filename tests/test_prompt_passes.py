@@ -8,10 +8,16 @@ one prompt. A prompt shorter than the longest of its generation batch is left-pa
 padded row). Stock runs every prompt G times in each of the four passes.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from grpo_pair import make_pair
 from peft import LoraConfig
+from tolerances import SHARDED_GRAD_RTOL
 from transformers import TrainerCallback
 
 # Seven tokens each, no token shared: positions 0..5 (prompt[:-1]) of each prompt are counted.
@@ -198,3 +204,51 @@ def test_one_prefill_per_step_with_left_padded_prompts(tiny_model_path, family, 
     )
     once = 1 if mode == "detached" else 2
     assert run(ours, separate_ref=False, prompts=prompts) == [{"policy": [once, once]}] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", DECODING_FAMILIES)
+def test_one_prefill_per_step_with_a_sharded_prompt_state(tiny_model_path, tmp_path, family):
+    """2 processes (gloo), `shard_prompt_state=True` (tests/offer_worker.py): `train()` with TRL's defaults, one
+    prompt per step, left-padded. The ranks offer and take generation's sharded state together, so the policy runs
+    each prompt position once per step in detached mode and twice in exact mode: on each rank when the passes are
+    replicated, once over the group under context parallelism (each rank runs its own chunks). The gradients equal
+    those of the loss pass that prefills the prompt itself (the offer turned off)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    out = tmp_path / "out.pt"
+    command += [str(root / "tests" / "offer_worker.py"), str(tiny_model_path(family)), str(out)]
+    run_ = subprocess.run(command, env=env, capture_output=True, text=True, timeout=560)
+    assert run_.returncode == 0 and out.exists(), run_.stdout[-4000:] + run_.stderr[-4000:]
+    ranks = torch.load(out, weights_only=False)
+    assert len(ranks) == 2
+    for name, once in (("detached", 1), ("exact", 2), ("exact_no_offer", 3)):
+        runs = [rank[name] for rank in ranks]
+        tokens, cp = runs[0]["tokens"], runs[0]["context_parallel"]
+        assert all(pad > 0 for pad in runs[0]["pads"]), "both prompts should be left-padded"
+        assert cp == (family != "glm_moe_dsa"), "llama and qwen3_5 run context-parallel passes at 2 ranks"
+        for step in range(2):
+            for prompt, ts in enumerate(tokens):
+                expected = once if prompt == step else 0
+                per_rank = [[r["counts"][step].get(t, 0) for t in ts[:-1]] for r in runs]
+                if cp:
+                    assert [sum(column) for column in zip(*per_rank, strict=True)] == [expected] * (len(ts) - 1), (
+                        name,
+                        step,
+                        per_rank,
+                    )
+                else:
+                    assert per_rank == [[expected] * (len(ts) - 1)] * 2, (name, step, per_rank)
+        offered = name != "exact_no_offer"
+        for r in runs:
+            assert all((p == 0) == offered for p in r["prompt_positions"]), (name, r["prompt_positions"])
+            assert all((p > 0) == offered for p in r["prompt_positions_reused"]), name
+    for rank in ranks:
+        for step, (got, want) in enumerate(zip(rank["exact"]["grads"], rank["exact_no_offer"]["grads"], strict=True)):
+            assert want, "no parameter received a gradient"
+            assert got.keys() == want.keys()
+            for n in want:
+                err = ((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item()
+                assert err <= SHARDED_GRAD_RTOL, f"step {step + 1}, {n}: {err}"
