@@ -228,7 +228,6 @@ def test_one_prefill_per_step_with_a_sharded_prompt_state(tiny_model_path, tmp_p
         runs = [rank[name] for rank in ranks]
         tokens, cp = runs[0]["tokens"], runs[0]["context_parallel"]
         assert all(pad > 0 for pad in runs[0]["pads"]), "both prompts should be left-padded"
-        assert cp == (family != "glm_moe_dsa"), "llama and qwen3_5 run context-parallel passes at 2 ranks"
         for step in range(2):
             for prompt, ts in enumerate(tokens):
                 expected = once if prompt == step else 0

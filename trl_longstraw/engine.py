@@ -331,10 +331,9 @@ class Engine:
 
     Args:
         model: what is called for a branch: the (possibly wrapped) causal LM with TRL's fused LM head. Under DDP
-            the module inside the wrapper is called instead. Under FSDP2 the ranks run the same passes (the sharded
-            state's lockstep, or the data-parallel one: see `lockstep`), so FSDP2 gathers and frees the layers pass
-            by pass; with shard groups smaller than the world, every pass runs on parameters gathered once per call
-            (see `distributed`).
+            the module inside the wrapper is called instead. Under FSDP2 every rank of the world runs the same
+            passes (the sharded state's lockstep within a shard group, and across groups or without a sharded state
+            the world's: see `lockstep`), so FSDP2 gathers and frees the layers pass by pass (see `distributed`).
         causal_lm: the unwrapped `PreTrainedModel` under `model` (PEFT layers in place, if any).
         adapter: the architecture adapter of `causal_lm`.
         chunk_size: prompt tokens per prefill (and reverse) chunk.
@@ -366,13 +365,13 @@ class Engine:
         self.chunk_size = chunk_size
         self.progress = progress
         self.shards = shards
-        # FSDP2 gathers and frees the parameters pass by pass (`distributed.fsdp2_gathered`) when every rank runs the
-        # same passes: a prompt state sharded over every process runs them in lockstep; without a sharded state (data
-        # parallelism), the ranks agree on the number of passes of each kind per prompt and pad theirs with fillers
-        # (`lockstep`). Shard groups smaller than the world run different passes: FSDP2 then gathers once per call.
-        fsdp = fsdp2_root(model) is not None
-        self.lockstep = fsdp and shards is None
-        self.fsdp_per_pass = fsdp and (shards is None or shards.world == dist.get_world_size())
+        # FSDP2 gathers and frees the parameters pass by pass (`distributed.fsdp2_gathered`), so every rank of the
+        # world must run the same passes. A prompt state sharded over every process runs them in lockstep; otherwise
+        # (data parallelism, or shard groups smaller than the world, each group in its own lockstep) the ranks agree
+        # on the number of passes of each kind per prompt slot and pad theirs with fillers (`lockstep`), which never
+        # touch the sharded attention, so the groups' collectives stay inside each group.
+        self.fsdp = fsdp2_root(model) is not None
+        self.lockstep = self.fsdp and (shards is None or shards.world < dist.get_world_size())
         # Context parallelism (`context_parallel`): the ranks of a shard group split each prefill and reverse pass's
         # tokens, for adapters whose token mixers support it at this group size; the others replicate the passes.
         supports = getattr(adapter, "context_parallel", None)
@@ -543,9 +542,10 @@ class Engine:
             if mine and not everyone:
                 self._held.pop(_key(group), None)
 
-    def _num_chunks(self, group: PromptGroup) -> int:
-        """Prefill (and reverse) chunks of `group`'s prompt."""
-        return len(self._chunks(group.tokens.shape[0] - 1))
+    def _num_passes(self, group: PromptGroup) -> int:
+        """Prefill (and, sharded or in exact mode, reverse) passes over `group`'s prompt: its chunks, or its
+        context-parallel rounds."""
+        return len(self._passes(group.tokens.shape[0] - 1))
 
     def reverse(self, group: PromptGroup, state: PromptState) -> int:
         """Exact mode: back-propagates the gradient accumulated on the records through the prompt, last chunk first.
@@ -598,7 +598,7 @@ class Engine:
                             ).last_hidden_state
                         captured, p.sink = p.sink, None
                         outputs, grads = [], []
-                        if self.fsdp_per_pass:
+                        if self.fsdp:
                             # A zero seed on the output: under per-pass FSDP2 the last layer's parameters are
                             # gathered again for backward by a hook on its output, which the records alone never reach.
                             outputs.append(hidden)
@@ -714,40 +714,59 @@ class Engine:
         lengths: list[int],
         passes: Callable[[PromptGroup, list[int]], tuple[int, int, int]],
         device,
+        first: Callable[[PromptGroup], int] | None = None,
         boundaries: bool | None = None,
     ) -> list[Slot]:
         """The prompts to run and, for each, its branch rows.
 
-        Unsharded: `groups` with their `rows`, as given. Data-parallel lockstep (FSDP2 without a sharded state): the
-        prompts with rows, fewest passes first (`passes(group, rows)`: this rank's own counts of a prompt), so that
-        the ranks' large prompts share slots and fillers stay few, except that a prompt whose state the scoring kept
-        stays first; then empty slots up to the largest number of prompts of any rank; each slot with the pass counts
-        agreed by one all-reduce over the world (see `Slot`). Sharded: the prompts in the order agreed by the group,
-        and rounds in which every rank runs one branch (its own or a filler), declared to `shards` round by round.
+        Unsharded: `groups` with their `rows`, as given. Sharded: the prompts with rows in the order agreed by the
+        group, then sorted by `first` (stable), and rounds in which every rank runs one branch (its own or a
+        filler), declared to `shards` round by round.
+
+        World lockstep (FSDP2, unless the state is sharded over every process): the prompts with rows, fewest passes
+        first (`passes(group, rows)`: this rank's own counts of a prompt; sharded, the group's branch rounds count as
+        its branch passes), so that the ranks' large prompts share slots and fillers stay few, except that unsharded
+        a prompt whose state the scoring kept stays first, and sharded `first` still orders first; then empty slots
+        up to the largest number of prompts of any rank; each slot with the pass counts agreed by one all-reduce
+        over the world (see `Slot`). Every rank of a shard group has the same prompts and counts, so the group stays
+        in its own lockstep, and fillers pad it to the other groups' passes.
 
         `boundaries`, unless None (a call that takes held states: the policy's loss pass), sharded: the ranks agree
-        which held states they take (`_agree_held`), with or without the chunk boundaries.
+        which held states they take (`_agree_held`), with or without the chunk boundaries, before counting passes.
         """
-        if self.lockstep:
+        if self.shards is None:
+            if not self.lockstep:
+                return [Slot(g, rs) for g, rs in zip(groups, rows, strict=True)]
             work = [(g, rs, passes(g, rs)) for g, rs in zip(groups, rows, strict=True) if rs]
             pinned = int(bool(work) and _key(work[0][0]) in self._held)
             work[pinned:] = sorted(work[pinned:], key=lambda item: sum(item[2]))
-            agreed = agree_pass_counts([counts for _, _, counts in work], len(lengths), device)
-            work = [(g, rs) for g, rs, _ in work]
-            work += [(None, [])] * (len(agreed) - len(work))
-            return [Slot(group, rs, passes=counts) for (group, rs), counts in zip(work, agreed, strict=True)]
-        if self.shards is None:
-            return [Slot(g, rs) for g, rs in zip(groups, rows, strict=True)]
-        order, plan = self.shards.agree(groups, [[lengths[r] for r in rs] for rs in rows])
-        if boundaries is not None:
-            self._agree_held([groups[i] for i in order], boundaries, device)
+        else:
+            order, plan = self.shards.agree(groups, [[lengths[r] for r in rs] for rs in rows])
+            if boundaries is not None:
+                self._agree_held([groups[i] for i in order], boundaries, device)
 
-        def rounds(mine: list[int], everyone: list[list[int]]) -> Iterator[int | None]:
-            for i in range(max(len(theirs) for theirs in everyone)):
-                self.shards.branch_round([theirs[i] if i < len(theirs) else 1 for theirs in everyone])
-                yield mine[i] if i < len(mine) else None
+            def rounds(mine: list[int], everyone: list[list[int]]) -> Iterator[int | None]:
+                for i in range(max(len(theirs) for theirs in everyone)):
+                    self.shards.branch_round([theirs[i] if i < len(theirs) else 1 for theirs in everyone])
+                    yield mine[i] if i < len(mine) else None
 
-        return [Slot(groups[i], rounds(rows[i], plan[k])) for k, i in enumerate(order) if any(plan[k])]
+            work = []
+            for k, i in enumerate(order):
+                if any(plan[k]):
+                    prefill, _, reverse = passes(groups[i], rows[i])
+                    counts = (prefill, max(len(theirs) for theirs in plan[k]), reverse)
+                    work.append((groups[i], rounds(rows[i], plan[k]), counts))
+
+            def rank(item) -> tuple[int, int]:
+                return (0 if first is None else first(item[0]), sum(item[2]) if self.lockstep else 0)
+
+            work.sort(key=rank)
+            if not self.lockstep:
+                return [Slot(g, rs) for g, rs, _ in work]
+        agreed = agree_pass_counts([counts for _, _, counts in work], len(lengths), device)
+        slots = [(g, rs) for g, rs, _ in work]
+        slots += [(None, [])] * (len(agreed) - len(slots))
+        return [Slot(group, rs, passes=counts) for (group, rs), counts in zip(slots, agreed, strict=True)]
 
     def score(
         self,
@@ -773,7 +792,7 @@ class Engine:
         replays it, so the loss pass sees the same values in both.
         """
         length = prompt_ids.shape[1] + completion_ids.shape[1]
-        with fsdp2_gathered(self.model, per_pass=self.fsdp_per_pass), self.rope.pinned(length):
+        with fsdp2_gathered(self.model), self.rope.pinned(length):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
             return self._score(*prompt, *completion, keep, reuse, batch_tokens, boundaries)
 
@@ -790,7 +809,7 @@ class Engine:
             # A held state may still be dropped by the prefill of an earlier prompt (`hold_budget`): the agreed
             # count assumes a prefill, and a prompt whose held state is taken runs fillers instead (one token each).
             branches = len(pack_rows(rows, lengths, batch_tokens)) if batched else len(rows)
-            return self._num_chunks(group), branches, 0
+            return self._num_passes(group), branches, 0
 
         rows = [[r for r in g.rows if lengths[r] > 0] for g in groups]
         takes = boundaries if reuse or keep else None
@@ -801,7 +820,7 @@ class Engine:
                 state = PromptState()
             else:
                 state = self.prefill(group, keep=keep, reuse=reuse or keep, boundaries=boundaries)
-            self._pad(slot, PREFILL, 0 if taken else state.num_chunks, device)
+            self._pad(slot, PREFILL, 0 if taken or group is None else self._num_passes(group), device)
             t0 = time.perf_counter()
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), torch.no_grad(), use_pass(p):
@@ -816,12 +835,12 @@ class Engine:
                         ([row], None if row is None else self._branch(group, completion_ids[row], lengths[row]))
                         for row in slot.rows
                     )
-                done = 0
+                done = 0  # branch passes, a sharded round's zero-weight branch included
                 for batch_rows, inputs in batches:
+                    done += 1
                     if inputs is None:
                         self._zero_branch(group, None, device)
                         continue
-                    done += 1
                     lp, ent = self._forward_branch(*inputs)
                     for i, row in enumerate(batch_rows):
                         n = lengths[row]
@@ -856,7 +875,7 @@ class Engine:
         """
         sync_pass = functools.partial(self._sync_pass, prompt_ids.device)
         length = prompt_ids.shape[1] + completion_ids.shape[1]
-        with fsdp2_gathered(self.model, sync_pass=sync_pass, per_pass=self.fsdp_per_pass), self.rope.pinned(length):
+        with fsdp2_gathered(self.model, sync_pass=sync_pass), self.rope.pinned(length):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
             self._backward(*prompt, *completion, grad_logps, grad_entropies, exact, backward_fn)
         finish_ddp(self.model)
@@ -878,22 +897,21 @@ class Engine:
         # Last scored first: the states the scoring pass kept are held newest first, and beyond `hold_budget` the
         # oldest were dropped. Sharded, the agreed order is sorted by the held states, the same on every rank.
         groups, live = groups[::-1], live[::-1]
-        newest = {key: i for i, key in enumerate(reversed(list(self._held)))}
 
         def held_first(group: PromptGroup) -> int:
+            # Read when the schedule sorts, after the shard group agreed which held states it takes.
+            newest = {key: i for i, key in enumerate(reversed(list(self._held)))}
             return newest.get(_key(group), len(newest))
 
         def passes(group: PromptGroup, rows: list[int]) -> tuple[int, int, int]:
-            chunks = self._num_chunks(group)
+            chunks = self._num_passes(group)
             return 0 if self._reusable(_key(group), exact) else chunks, len(rows), chunks if exact else 0
 
         schedule = [
             slot
-            for slot in self._schedule(groups, live, lengths, passes, device, boundaries=exact)
+            for slot in self._schedule(groups, live, lengths, passes, device, first=held_first, boundaries=exact)
             if self.shards is not None or slot.passes is not None or slot.rows
         ]
-        if self.shards is not None:
-            schedule.sort(key=lambda slot: held_first(slot.group))
         for slot in schedule:
             group = slot.group
             if group is None:
@@ -905,17 +923,17 @@ class Engine:
             # A prompt prefilled here is not held: holding it could drop a held state that a later prompt of this
             # call was planned to reuse.
             state = self.prefill(group, keep=reused, reuse=True, boundaries=exact)
-            self._pad(slot, PREFILL, 0 if reused else state.num_chunks, device)
+            self._pad(slot, PREFILL, 0 if reused else self._num_passes(group), device)
             if exact:
                 state.requires_grad_()
             t0 = time.perf_counter()
             done = 0
             with self.adapter.activate(), use_pass(Pass(state, visible=state.num_chunks, shard=self.shards)):
                 for row in slot.rows:
+                    done += 1
                     if row is None:
                         self._zero_branch(group, backward_fn, device)
                         continue
-                    done += 1
                     n = lengths[row]
                     lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
                     surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
