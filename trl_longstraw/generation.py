@@ -155,6 +155,7 @@ def shared_prompt_decoder(
     rows_per_rank: list[int] | None = None,
     offer: bool = False,
     boundaries: bool = False,
+    offset: int = 0,
     prefill_passes: int | None = None,
 ) -> Callable:
     """A `custom_generate` callable for `model.generate` that decodes rows which all hold `prompt`.
@@ -170,9 +171,13 @@ def shared_prompt_decoder(
             step until every rank's rows are done (a rank whose rows finished early appends padding, as stock does
             after EOS, which `trim_after_eos` drops).
         offer: hand the prompt state to the engine's next loss pass (`Engine.offer`), which then does not prefill
-            this prompt again while the weights are unchanged. Its positions start at 0, as a loss-pass row whose
-            prompt has no left padding.
+            this prompt again while the weights are unchanged.
         boundaries: prefill with the recurrent chunk boundaries (an offer to an exact-mode loss pass).
+        offset: the position of the first prompt token (default 0, as `generate` numbers them). An offered state
+            is prefilled at the positions the loss pass gives the prompt, after its left padding in the batch (stock's
+            forward numbers padded rows from 0), and the steps decode at the positions that follow: under RoPE the
+            attention scores depend only on differences of positions, so the decoded distribution is `generate`'s up
+            to float rounding.
         prefill_passes: in the engine's data-parallel lockstep (`engine.lockstep`), the prefill passes every rank
             runs for this prompt's slot (agreed by `generate_shared`; this rank pads its own with fillers), and the
             ranks then decode in lockstep (see the module docstring). Default: this prompt's own chunks.
@@ -214,8 +219,9 @@ def shared_prompt_decoder(
         pad_token_id = generation_config._pad_token_tensor
         has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
         unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
-        # Positions as generate derives them from the attention mask: the first real prompt token is at 0.
-        group = PromptGroup(tokens=prompt, pad=0, rows=list(range(rows)))
+        # Positions as generate derives them from the attention mask (the first real prompt token at 0), or after
+        # the left padding the loss pass gives the prompt (`offset`).
+        group = PromptGroup(tokens=prompt, pad=offset, rows=list(range(rows)))
         with engine.rope.pinned(longest):
             state = engine.prefill(group, boundaries=boundaries)
         if lockstep:
@@ -231,13 +237,14 @@ def shared_prompt_decoder(
         ids = buffer[:, :width]
         del input_ids
         step_ids = prompt[-1:].expand(rows)
-        position = prompt.shape[0] - 1
+        step = 0
         with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail, shards)):
             while True:
                 if shards is not None:
                     shards.branch_round(rows_per_rank)
+                position = offset + prompt.shape[0] - 1 + step
                 # The prefill's and the loss pass's precision (see `engine`); the RoPE of `generate` at this length.
-                with engine.autocast(), engine.rope.pinned(longest + position - (prompt.shape[0] - 1)):
+                with engine.autocast(), engine.rope.pinned(longest + step):
                     outputs = engine.causal_lm(
                         input_ids=step_ids[:, None],
                         position_ids=torch.full((rows, 1), position, device=buffer.device),
@@ -264,7 +271,7 @@ def shared_prompt_decoder(
                     _filler_steps(engine, buffer.device)
                     return ids
                 step_ids = next_tokens
-                position += 1
+                step += 1
 
     return decode
 
@@ -367,9 +374,12 @@ def generate_shared(
         model: the model `generate` is called on (unwrapped, PEFT adapters active).
         engine: the engine of that model.
         generation_config: the trainer's generation config; checked with `check_generation_config`.
-        offer_boundaries: unless None, the state of every prompt that the loss pass runs at the same positions (one
-            without left padding in the batch) is offered to it (`Engine.offer`), prefilled with chunk boundaries if
-            True (exact mode). Shorter prompts are prefilled again by the loss pass, at their padded positions.
+        offer_boundaries: unless None, the state of every prompt is offered to the loss pass (`Engine.offer`),
+            prefilled with chunk boundaries if True (exact mode), at the positions the loss pass gives the prompt:
+            after its left padding in this batch, as stock's forward numbers padded rows (the rows then decode at
+            the positions that follow; see `shared_prompt_decoder`'s `offset`). With a sharded prompt state, a prompt
+            is offered only if every rank of the shard group pads it alike (the ranks prefill it together); the
+            others are prefilled at `generate`'s positions and not offered.
     Returns:
         Per row, the generated ids up to and including the first EOS.
     """
@@ -395,12 +405,21 @@ def generate_shared(
         # Data-parallel lockstep: the ranks hold different prompts. Fewest chunks first, so that the ranks' long
         # prompts share slots; every rank then runs each slot's agreed prefill passes, and empty slots (no prompt of
         # its own: `None`) up to the most prompts of any rank.
-        chunks = {tokens: engine._num_chunks(PromptGroup(torch.tensor(tokens), 0, [])) for tokens in groups}
+        chunks = {tokens: engine._num_passes(PromptGroup(torch.tensor(tokens), 0, [])) for tokens in groups}
         items.sort(key=lambda item: chunks[item[0]])
         agreed = agree_pass_counts([(chunks[tokens], 0, 0) for tokens, _ in items], len(prompt_ids), device)
         items += [None] * (len(agreed) - len(items))
         rows_per_rank = [None] * len(items)
         prefill_passes = [counts[PREFILL] for counts in agreed]
+    # Left padding of each prompt in the batch, where the loss pass places it (offers only).
+    offsets: list[int | None] = [None] * len(items)
+    if offer_boundaries is not None:
+        offsets = [None if item is None else width - len(item[0]) for item in items]
+        if engine.shards is not None and offsets:  # no fillers here: `agree` gave every rank the same prompts
+            # The ranks prefill a prompt together, so they place it alike: they offer it only where their loss
+            # passes will look it up under the same padding.
+            lowest, highest = engine.shards.extremes(offsets, device)
+            offsets = [o if low == high else None for o, low, high in zip(offsets, lowest, highest, strict=True)]
     config = generation_config_for_decoder(generation_config)
     completions: list[list[int]] = [[] for _ in prompt_ids]
     # Per-call RoPE: each prompt decodes from the state stock's one `generate` starts from, and the state left
@@ -408,7 +427,7 @@ def generate_shared(
     longest = max(len(ids) for ids in prompt_ids)
     start = final = engine.rope.snapshot()
     most_steps = -1
-    for item, counts, passes in zip(items, rows_per_rank, prefill_passes, strict=True):
+    for item, counts, passes, offset in zip(items, rows_per_rank, prefill_passes, offsets, strict=True):
         if item is None:  # data-parallel lockstep: another rank decodes a prompt in this slot
             with fsdp2_gathered(engine.model):
                 _filler_prefills(passes, engine, device)
@@ -416,15 +435,15 @@ def generate_shared(
             continue
         tokens, rows = item
         engine.rope.restore(start)
-        offer = offer_boundaries is not None and len(tokens) == width
         prompt = torch.tensor(tokens, device=device)
         decoder = shared_prompt_decoder(
             engine,
             prompt,
             longest,
             counts,
-            offer=offer,
-            boundaries=bool(offer_boundaries),
+            offer=offset is not None,
+            boundaries=offset is not None and bool(offer_boundaries),
+            offset=offset or 0,
             prefill_passes=passes,
         )
         # The rows as `generate` receives them in stock, left-padded to the batch width: one row, expanded.
