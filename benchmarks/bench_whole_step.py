@@ -25,7 +25,8 @@ had reached); one that runs past `--timeout`, "timeout".
 The driver prints a table with the stock/ours ratios, checks that ours' generation peak stays within 10% of ours' loss
 peak (growth over the step's starting RSS), and writes `WHOLE_STEP.md` and `whole_step.json` to `--out`.
 `--merge FILE.json` adds the records of an earlier run (another invocation's `whole_step.json`) for configurations
-this run does not measure; the report names each record's run (command, date, load).
+this run does not measure; the report names each record's run (command, date, load). With `--impls ""` nothing is
+measured: the report of the merged runs alone.
 
     python benchmarks/bench_whole_step.py                       # tiny qwen3_5, P = 32K, G = 8, C = 128
     python benchmarks/bench_whole_step.py --family llama --P 8K,32K
@@ -381,13 +382,16 @@ def main(argv=None):
     from trl_longstraw.testing import save_tiny_model
 
     args.P = parse_sizes(args.P)
-    args.impls = args.impls.split(",")
+    # `--impls ""` measures nothing: the report of the `--merge`d runs alone.
+    args.impls = [impl for impl in args.impls.split(",") if impl]
     command = " ".join(["python benchmarks/bench_whole_step.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     date = f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
-    runs = [{"command": command, "date": date}]
-    tmp = Path(tempfile.mkdtemp(prefix="bench_whole_models_"))
-    model_path = str(save_tiny_model(tmp / args.family, args.family))
-    records = [{**run_config(args, model_path, impl, p), "run": 1} for p in args.P for impl in args.impls]
+    runs, records = [], []
+    if args.impls:
+        runs.append({"command": command, "date": date})
+        tmp = Path(tempfile.mkdtemp(prefix="bench_whole_models_"))
+        model_path = str(save_tiny_model(tmp / args.family, args.family))
+        records = [{**run_config(args, model_path, impl, p), "run": 1} for p in args.P for impl in args.impls]
     for path in args.merge:
         merge(records, runs, json.loads(Path(path).read_text()))
     args.P = sorted({r["P"] for r in records})
