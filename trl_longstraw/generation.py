@@ -15,11 +15,12 @@ all-gathers and, under expert parallelism (`expert_parallel`), the experts' all-
 the prompt state sharded over all processes the ranks of the shard group decode the same prompts in one agreed order,
 every step a branch round of their rows, until every rank's rows are done (their prompt attention merges across the
 ranks anyway). Without a sharded state (data parallelism: different prompts per rank, the engine's *data-parallel
-lockstep*), the ranks agree in one max all-reduce on the number of prompt slots and each slot's prefill chunks
-(`distributed.agree_pass_counts`, as the loss pass does), pad theirs with one-token filler prefills, and after each
-decoding step agree (one small all-reduce) whether any rank still decodes; a rank whose rows are done, or that has no
-prompt in the slot, runs one-token filler steps (`_filler_step`) whose outputs are discarded until then. Either way
-every rank runs the same number of forwards in the same order, so the collectives meet.
+lockstep*), the ranks agree on the number of prompt slots and each slot's prefill chunks (two max all-reduces: the
+most distinct prompts of any rank, then `distributed.agree_pass_counts`, as the loss pass does), pad theirs with
+one-token filler prefills, and after each decoding step agree (one small all-reduce) whether any rank still decodes;
+a rank whose rows are done, or that has no prompt in the slot, runs one-token filler steps (`_filler_step`) whose
+outputs are discarded until then. Either way every rank runs the same number of forwards in the same order, so the
+collectives meet.
 """
 
 from __future__ import annotations
@@ -407,7 +408,11 @@ def generate_shared(
         # its own: `None`) up to the most prompts of any rank.
         chunks = {tokens: engine._num_passes(PromptGroup(torch.tensor(tokens), 0, [])) for tokens in groups}
         items.sort(key=lambda item: chunks[item[0]])
-        agreed = agree_pass_counts([(chunks[tokens], 0, 0) for tokens, _ in items], len(prompt_ids), device)
+        # The agreement's table needs the same size on every rank; TRL gives every process the same rows except in
+        # multi-turn tool calls, which generate again for the rows that called a tool.
+        slots = torch.tensor([len(items)], device=device)
+        dist.all_reduce(slots, op=dist.ReduceOp.MAX)
+        agreed = agree_pass_counts([(chunks[tokens], 0, 0) for tokens, _ in items], int(slots.item()), device)
         items += [None] * (len(agreed) - len(items))
         rows_per_rank = [None] * len(items)
         prefill_passes = [counts[PREFILL] for counts in agreed]
