@@ -50,7 +50,7 @@ def models(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launch(models, tmp_path_factory):
-    """Runs the worker on 4 processes for every model; returns `(batches, results, return code, output)`."""
+    """Runs the worker on 4 processes for every model; returns `(batches, results by family, return code, output)`."""
     tmp = tmp_path_factory.mktemp("groups")
     batches = make_group_batches(len(build_tokenizer()))
     torch.save(batches, tmp / "batches.pt")
@@ -68,7 +68,10 @@ def launch(models, tmp_path_factory):
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"the 4-process run did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
-    results = torch.load(tmp / "out.pt") if (tmp / "out.pt").exists() else None
+    results = None
+    if (tmp / "out.pt").exists():
+        by_path = torch.load(tmp / "out.pt")
+        results = {family: by_path[str(models[family])] for family in FAMILIES}
     return batches, results, proc.returncode, output
 
 
