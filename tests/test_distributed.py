@@ -28,9 +28,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
-# Families whose sharded prompt passes split their tokens over the ranks (`context_parallel`); glm_moe_dsa's run
-# every chunk on every rank.
-CONTEXT_PARALLEL = ("llama", "qwen3_5")
 # Seconds for the whole 2-process launch; ~35 s on 2 busy cores.
 LAUNCH_TIMEOUT = 400
 # Scenario of the worker -> its single-process reference.
@@ -178,9 +175,8 @@ def test_sharded_logps_match(launch, reference):
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_sharded_state_is_split(launch):
-    """Of the 12 prefix tokens of the longest prompt in chunks of 5: with context-parallel passes (llama, qwen3_5)
-    the rounds are chunks (5, 5) then (1, 1), so each rank holds 6 tokens' records; replicated passes (glm_moe_dsa)
-    run chunks of 5, 5 and 2, and rank 0 holds chunks 0 and 2 (7 tokens), rank 1 chunk 1 (5 tokens).
+    """Of the 12 prefix tokens of the longest prompt in chunks of 5: the context-parallel rounds (every family) are
+    chunks (5, 5) then (1, 1), so each rank holds 6 tokens' records.
 
     Scoring keeps no chunk boundaries, so the one recurrent record per layer (qwen3_5's Gated DeltaNet) is the final
     one, which every rank keeps: `fixed` bytes on both ranks; the other families keep per-token records only
@@ -192,23 +188,19 @@ def test_sharded_state_is_split(launch):
     assert unsharded == rank1["unsharded"] > 0
     fixed = rank0["sharded"] + rank1["sharded"] - unsharded
     assert (0 < fixed < unsharded) if launch[0] == "qwen3_5" else (fixed == 0)
-    mine = (6, 6) if launch[0] in CONTEXT_PARALLEL else (7, 5)
-    assert (rank0["sharded"] - fixed) * 12 == (unsharded - fixed) * mine[0]
-    assert (rank1["sharded"] - fixed) * 12 == (unsharded - fixed) * mine[1]
+    assert (rank0["sharded"] - fixed) * 12 == (unsharded - fixed) * 6
+    assert (rank1["sharded"] - fixed) * 12 == (unsharded - fixed) * 6
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
 def test_context_parallel_splits_mlp_tokens(launch, reference):
     """Exact mode, a 202-token prompt and 2 + 2 short completions (`L`): with context-parallel passes each rank runs
-    at most 55% of the single-process step's tokens through the MLPs (prefill and reverse split in two, branches
-    split by rank); glm_moe_dsa, whose passes are replicated, runs the whole prompt on each rank (more than 90%)."""
+    at most 55% of the single-process step's tokens through the MLPs (glm_moe_dsa: the dense MLP and the MoE layers),
+    as the prefill and the reverse pass split in two and the branches split by rank."""
     results = _results(launch)
     for rank, tokens in enumerate(results["mlp_tokens"]):
         share = tokens / reference["mlp_tokens"]
-        if launch[0] in CONTEXT_PARALLEL:
-            assert share <= 0.55, f"rank {rank} ran {share:.1%} of the single-process MLP tokens"
-        else:
-            assert share > 0.9, f"rank {rank} ran {share:.1%} of the single-process MLP tokens"
+        assert share <= 0.55, f"rank {rank} ran {share:.1%} of the single-process MLP tokens"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -271,14 +272,41 @@ def test_shared_generation_off_is_stock(tiny_model_path):
     assert engine.stats.prompt_positions == 0
 
 
+@pytest.mark.parametrize(
+    ("fsdp", "shard_world", "shared"),
+    [(True, 1, False), (True, None, True), (True, 2, True), (False, 1, True), (False, None, True)],
+)
+def test_generation_path_on_two_processes(tiny_model_path, monkeypatch, fsdp, shard_world, shared):
+    """The generation path the trainer picks on 2 processes. Under FSDP2 (accelerate's, or transformers' under expert
+    parallelism) every forward issues collectives, so all ranks must decode in one lockstep: shared-prompt generation
+    with the prompt state sharded over both ranks or not sharded (the data-parallel lockstep); shard groups of one
+    rank fall back to transformers' generate with a warning naming the fix. Without FSDP2, forwards issue no
+    collective (DDP): shared-prompt generation whatever the groups."""
+    import trl_longstraw.trainer as trainer_module
+
+    _, ours = make_pair(tiny_model_path("llama"), generation_kwargs=GREEDY)
+    monkeypatch.setattr(trainer_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(ours, "is_fsdp_enabled", fsdp)
+    ours._prompt_shards = None if shard_world is None else SimpleNamespace(world=shard_world)
+    ours.args.shard_prompt_state = shard_world is not None
+    warnings: list[str] = []
+    monkeypatch.setattr(trainer_module.logger, "warning", warnings.append)
+    ours._choose_generation()
+    assert ours._shared_generation is shared
+    assert len(warnings) == (0 if shared else 1)
+    if warnings:
+        assert "synced_gpus" in warnings[0] and "prompt_shard_group_size=0" in warnings[0]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
 def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, family):
     """2 processes (gloo), `shard_prompt_state=True`: each rank holds half of every prompt's attention records and
     decodes its own rows of the same prompts (tests/decode_worker.py). Greedy completions equal `generate`'s, on DDP
-    and on FSDP2 (synced_gpus); sampled rows follow `_sample` step by step on each rank's rows and seed; the prompt
-    states are never written."""
+    and on FSDP2 (synced_gpus), and on FSDP2 without a sharded state (other prompts per rank, in lockstep); sampled
+    rows follow `_sample` step by step on each rank's rows and seed; the prompt states are never written."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -291,6 +319,8 @@ def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, fami
         got, expected = result["greedy"]
         assert got == expected, f"rank {rank}"
         assert result["fsdp2_greedy"] == expected, f"rank {rank}: FSDP2 (synced_gpus, per-layer gathers)"
+        dp_got, dp_expected = result["fsdp2_data_parallel"]
+        assert dp_got == dp_expected, f"rank {rank}: FSDP2 without a sharded state (data-parallel lockstep)"
         assert len({len(c) for c in got}) > 1, "completions of different lengths (EOS midway)"
         assert result["unchanged"], f"rank {rank}: decoding wrote the prompt state"
         # The 13-token prompt (4 chunks of 3 before its last token): this rank holds 2 of its chunks' records.

@@ -599,6 +599,22 @@ def test_offload_moves_cold_state_to_the_host(preset_stats):
     assert not [i for i in detached.host if i.name == "boundary states"]
 
 
+def test_host_memory_is_checked_by_default(capsys):
+    """Without --host-memory the CLI checks the offloaded items against a DGX H100/H200 node's 2 TB (250 GB per
+    process of the node); `--host-memory none` skips the check; a budget below the offloaded items refuses."""
+    argv = ["--model", "qwen3.6-27b", "--positions", "2.1M", "--gpus", "8", "--mode", "exact"]
+    argv += ["--shard-prompt-state", "--offload"]
+    assert plan.default_host_memory(8, 8) == 2 * 10**12 and plan.default_host_memory(2, 8) == 5 * 10**11
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "host memory            1.82 TiB  (default: 250 GB per process" in out
+    assert plan.main(argv + ["--host-memory", "none"]) == 0
+    assert "not checked (--host-memory none)" in capsys.readouterr().out
+    assert plan.main(argv + ["--host-memory", "400GB"]) == 3
+    assert "DOES NOT FIT in host memory" in capsys.readouterr().out
+    assert plan.main(argv + ["--gpus-per-node", "1"]) == 0  # 250 GB for one process's 59 GiB
+
+
 # -------------------------------------------------------------------------------------------------- calibration
 def test_portable_attention_score_tiles_are_counted():
     """fp32 on CUDA (or heads wider than 256) has no fused attention kernel: the portable path's fp32 score tiles

@@ -71,9 +71,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             On the transformers generation path (no vLLM), prefill each distinct prompt once and decode its G samples
             against that one state, instead of `model.generate` on G copies of the prompt. `False` generates with
             transformers' own loop, as `GRPOTrainer` does. The vLLM paths are unchanged either way. With
-            `shard_prompt_state`, the ranks of a shard group decode in lockstep against the sharded state (under FSDP,
-            only with one shard group of every process; otherwise generation falls back to `generate`, with a
-            warning). Generation settings it does not reproduce raise `ValueError` (see `generation.py`).
+            `shard_prompt_state`, the ranks of a shard group decode in lockstep against the sharded state. Under FSDP2
+            (accelerate's, or transformers' under `expert_parallel_size > 1`), where every forward issues collectives,
+            all ranks decode in one lockstep: with one shard group of every process, or without a sharded state
+            (the ranks agree on prefill passes and steps and run filler forwards where they have less to do); with
+            smaller shard groups generation falls back to `generate`, with a warning. Generation settings it does not
+            reproduce raise `ValueError` (see `generation.py`).
     """
 
     prompt_gradient: str = field(

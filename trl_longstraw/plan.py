@@ -538,7 +538,8 @@ class Setup:
         offload_boundary_states: exact mode: the recurrent chunk-boundary states wait in pinned host memory
             (`LongStrawGRPOConfig.offload_boundary_states`).
         gpus_per_node: processes per node, for the host memory of a node.
-        host_memory: host bytes per node for the offloaded items; None: not checked.
+        host_memory: host bytes per node for the offloaded items; None: not checked (the CLI's default is
+            `default_host_memory`).
         device: "cuda" (the planner's case) or "cpu", which attention kernels run (`score_tiles`).
     """
 
@@ -1031,6 +1032,22 @@ def _parse(text: str, unit: str) -> int:
     return int(round(value))
 
 
+# Host memory per GPU of a node when --host-memory is not given: a DGX H100 or DGX H200 has 2 TB of system memory for
+# its 8 GPUs (NVIDIA's data sheets), which the common 8-GPU HGX servers (H20 included) match or exceed.
+HOST_MEMORY_PER_GPU = 250 * 10**9
+NO_HOST_CHECK = -1
+
+
+def parse_host_memory(text: str) -> int:
+    """`--host-memory`: a byte size (`parse_bytes`), or `none` for no check (`NO_HOST_CHECK`)."""
+    return NO_HOST_CHECK if text.strip().lower() == "none" else parse_bytes(text)
+
+
+def default_host_memory(gpus: int, gpus_per_node: int) -> int:
+    """The planner's host memory per node when none is given: `HOST_MEMORY_PER_GPU` per process of the node."""
+    return HOST_MEMORY_PER_GPU * min(gpus, gpus_per_node)
+
+
 def _size(n: int | float) -> str:
     """Human-readable bytes, binary units."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -1276,8 +1293,9 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
-def format_host(budget: Budget) -> str:
-    """The host-memory part of a budget: the offloaded items per GPU, and their total per node."""
+def format_host(budget: Budget, default: bool = False) -> str:
+    """The host-memory part of a budget: the offloaded items per GPU, and their total per node (`default`: the
+    budget is the planner's default, `default_host_memory`)."""
     u = budget.setup
     width = max(len(i.name) for i in budget.items)
     procs = min(u.gpus, u.gpus_per_node)
@@ -1287,7 +1305,12 @@ def format_host(budget: Budget) -> str:
     total = f"  {'total':<{width}}  {_size(budget.host_per_node):>11}  "
     total += "(not counted: the processes' own memory, e.g. libraries, CUDA context, data)"
     lines.append(total)
-    budget_line = _size(u.host_memory) if u.host_memory is not None else "not checked (pass --host-memory)"
+    budget_line = _size(u.host_memory) if u.host_memory is not None else "not checked (--host-memory none)"
+    if default:
+        budget_line += (
+            f"  (default: {HOST_MEMORY_PER_GPU / 1e9:g} GB per process, a DGX H100/H200 node's 2 TB over 8 GPUs; "
+            "pass --host-memory)"
+        )
     lines.append(f"  {'host memory':<{width}}  {budget_line:>11}")
     return "\n".join(lines)
 
@@ -1348,9 +1371,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--host-memory",
-        type=parse_bytes,
+        type=parse_host_memory,
         default=None,
-        help="host memory per node for the offloaded items, e.g. 1TB; default: not checked",
+        help="host memory per node for the offloaded items, e.g. 1TB, or 'none' to skip the check; default "
+        f"{HOST_MEMORY_PER_GPU / 1e9:g} GB per process of a node (--gpus-per-node), as on a DGX H100/H200 "
+        "(2 TB for 8 GPUs)",
     )
     p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node, for host memory; default 8")
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
@@ -1401,6 +1426,11 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
     model = meta_model(config)
     stats = model_stats(model, config, lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     weight = 2 if args.precision == "bf16" else 4
+    host_memory = args.host_memory
+    if host_memory is None:
+        host_memory = default_host_memory(args.gpus, args.gpus_per_node)
+    elif host_memory == NO_HOST_CHECK:
+        host_memory = None
     setup = Setup(
         positions=args.positions,
         completion_length=args.completion_length,
@@ -1421,7 +1451,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         offload=args.offload or args.cpu_offload,
         offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
         gpus_per_node=args.gpus_per_node,
-        host_memory=args.host_memory,
+        host_memory=host_memory,
     )
     budget = estimate(stats, setup)
     refused = trainer_refusals(config, model, setup, recipe, original)
@@ -1465,7 +1495,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
     ]
     print("\n".join(header) + format_budget(budget, "per-GPU budget at the peak of a step:"))
     if budget.host:
-        print(format_host(budget))
+        print(format_host(budget, default=args.host_memory is None))
     longest = largest_positions(stats, setup)
     print()
     if budget.fits and refused:
