@@ -530,6 +530,19 @@ class Engine:
         """Whether `prefill(..., reuse=True)` of the prompt `key` returns a held state instead of prefilling."""
         return self._take(key, boundaries) is not None
 
+    def _agree_held(self, groups: list[PromptGroup], boundaries: bool, device) -> None:
+        """Sharded: the ranks of the shard group take the held state of a prompt of `groups` (in the order `agree`
+        gave every rank) only if every rank can (`_reusable`), as they prefill it together otherwise; a rank that
+        could drops its own (one all-reduce). In practice they hold the same states (generation offered them
+        together), so this keeps a disagreement, e.g. a state dropped on one rank only, from hanging the group."""
+        if not groups:
+            return
+        flags = [int(self._reusable(_key(g), boundaries)) for g in groups]
+        lowest, _ = self.shards.extremes(flags, device)
+        for group, mine, everyone in zip(groups, flags, lowest, strict=True):
+            if mine and not everyone:
+                self._held.pop(_key(group), None)
+
     def _num_passes(self, group: PromptGroup) -> int:
         """Prefill (and, sharded or in exact mode, reverse) passes over `group`'s prompt: its chunks, or its
         context-parallel rounds."""
@@ -703,6 +716,7 @@ class Engine:
         passes: Callable[[PromptGroup, list[int]], tuple[int, int, int]],
         device,
         first: Callable[[PromptGroup], int] | None = None,
+        boundaries: bool | None = None,
     ) -> list[Slot]:
         """The prompts to run and, for each, its branch rows.
 
@@ -717,6 +731,9 @@ class Engine:
         up to the largest number of prompts of any rank; each slot with the pass counts agreed by one all-reduce
         over the world (see `Slot`). Every rank of a shard group has the same prompts and counts, so the group stays
         in its own lockstep, and fillers pad it to the other groups' passes.
+
+        `boundaries`, unless None (a call that takes held states: the policy's loss pass), sharded: the ranks agree
+        which held states they take (`_agree_held`), with or without the chunk boundaries, before counting passes.
         """
         if self.shards is None:
             if not self.lockstep:
@@ -726,6 +743,8 @@ class Engine:
             work[pinned:] = sorted(work[pinned:], key=lambda item: sum(item[2]))
         else:
             order, plan = self.shards.agree(groups, [[lengths[r] for r in rs] for rs in rows])
+            if boundaries is not None:
+                self._agree_held([groups[i] for i in order], boundaries, device)
 
             def rounds(mine: list[int], everyone: list[list[int]]) -> Iterator[int | None]:
                 for i in range(max(len(theirs) for theirs in everyone)):
@@ -794,7 +813,8 @@ class Engine:
             return self._num_passes(group), branches, 0
 
         rows = [[r for r in g.rows if lengths[r] > 0] for g in groups]
-        for slot in self._schedule(groups, rows, lengths, passes, device):
+        takes = boundaries if reuse or keep else None
+        for slot in self._schedule(groups, rows, lengths, passes, device, boundaries=takes):
             group = slot.group
             taken = group is not None and (reuse or keep) and self._reusable(_key(group), boundaries)
             if group is None:
@@ -878,9 +898,10 @@ class Engine:
         # Last scored first: the states the scoring pass kept are held newest first, and beyond `hold_budget` the
         # oldest were dropped. Sharded, the agreed order is sorted by the held states, the same on every rank.
         groups, live = groups[::-1], live[::-1]
-        newest = {key: i for i, key in enumerate(reversed(list(self._held)))}
 
         def held_first(group: PromptGroup) -> int:
+            # Read when the schedule sorts, after the shard group agreed which held states it takes.
+            newest = {key: i for i, key in enumerate(reversed(list(self._held)))}
             return newest.get(_key(group), len(newest))
 
         def passes(group: PromptGroup, rows: list[int]) -> tuple[int, int, int]:
@@ -889,7 +910,7 @@ class Engine:
 
         schedule = [
             slot
-            for slot in self._schedule(groups, live, lengths, passes, device, first=held_first)
+            for slot in self._schedule(groups, live, lengths, passes, device, first=held_first, boundaries=exact)
             if self.shards is not None or slot.passes is not None or slot.rows
         ]
         for slot in schedule:

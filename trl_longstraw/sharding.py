@@ -181,6 +181,16 @@ class PromptShards:
             )
         return order, [[other[1][i] for other in everyone] for i in range(len(order))]
 
+    def extremes(self, values: list[int], device) -> tuple[list[int], list[int]]:
+        """The smallest and largest of each of `values` over the ranks of the group (one all-reduce).
+
+        Collective: every rank passes as many values, in one agreed order (e.g. of the prompts `agree` ordered).
+        """
+        both = torch.tensor([*values, *(-v for v in values)], dtype=torch.long, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        highest, negated = both.tolist()[: len(values)], both.tolist()[len(values) :]
+        return [-v for v in negated], highest
+
 
 def shard_group_size(world: int, requested: int, num_generations: int, rows_per_process: int) -> int:
     """The number of ranks per prompt shard group, checked against the way TRL spreads prompts over processes.

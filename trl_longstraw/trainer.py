@@ -443,11 +443,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
         In training, the loss pass that follows with the same weights (`num_iterations=1`, or the first iteration)
         takes them instead of prefilling again (`Engine.offer`); exact mode needs the recurrent chunk boundaries.
-        Not with per-call RoPE (dynamic, longrope): generation pins other frequencies than the loss pass. Not with a
-        sharded prompt state: the ranks of a shard group prefill together, so they must agree on which prompts they
-        take, and which prompts have no left padding differs from rank to rank.
+        Not with per-call RoPE (dynamic, longrope): generation pins other frequencies than the loss pass. Every
+        prompt is offered at the positions the loss pass gives it (after its left padding in the batch); with a
+        sharded prompt state, the ranks of a shard group agree on which prompts they offer and take (see
+        `generation.generate_shared` and `Engine._agree_held`).
         """
-        if not self.model.training or engine.rope.modules or self._prompt_shards is not None:
+        if not self.model.training or engine.rope.modules:
             return None
         return self.args.prompt_gradient == "exact"
 
