@@ -308,16 +308,17 @@ def test_data_parallel_row_fits(capsys):
 
 
 def test_shard_groups_smaller_than_the_gpus(preset_stats):
-    """Groups of 8 of 32 GPUs split the state 8 ways, exchange queries over 8 ranks, and run different passes
-    across groups, so FSDP2 holds the whole model and its gradient (unlike without sharding)."""
+    """Groups of 8 of 32 GPUs split the state 8 ways and exchange queries over 8 ranks; their passes are padded to the
+    world's, so FSDP2 gathers layer by layer as with one group of all GPUs or no sharded state (the root module and
+    two layers, not GLM-5.2's 1.5 TB in bf16)."""
     stats = _glm_lora(preset_stats)
     setup = replace(_h200x32("exact", True), positions=100_000)
     grouped = {i.name: i for i in estimate(stats, replace(setup, shard_group=8)).items}
     whole = {i.name: i for i in estimate(stats, setup).items}
     unsharded = {i.name: i for i in estimate(stats, replace(setup, shard_prompt_state=False)).items}
-    assert grouped["FSDP all-gathered"].nbytes == (stats.total_params + stats.trainable_params) * 2
-    assert grouped["FSDP all-gathered"].nbytes > 10 * whole["FSDP all-gathered"].nbytes
-    assert unsharded["FSDP all-gathered"].nbytes == whole["FSDP all-gathered"].nbytes
+    assert grouped["FSDP all-gathered"] == whole["FSDP all-gathered"] == unsharded["FSDP all-gathered"]
+    assert grouped["FSDP all-gathered"].nbytes < (stats.total_params + stats.trainable_params) * 2 / 10
+    assert grouped["FSDP all-gathered"].detail.startswith("per pass")
     assert "sharded /8" in grouped["prompt state"].detail and "sharded /32" in whole["prompt state"].detail
     assert "across the 8 ranks" in grouped["branch graph"].detail
 

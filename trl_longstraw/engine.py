@@ -298,10 +298,11 @@ class Slot:
     """One prompt of an engine call, in the order of `Engine._schedule`.
 
     Attributes:
-        group: the prompt; None on a rank that has no prompt left in the data-parallel lockstep (fillers only).
+        group: the prompt; None on a rank that has no prompt left in the world lockstep (fillers only).
         rows: its branch rows; `None` is a zero-weight filler branch (sharded lockstep, one branch per round).
-        passes: data-parallel lockstep only: how many passes of each kind (`PREFILL`, `BRANCH`, `REVERSE`) every rank
-            runs for this slot, its own first, then fillers (`Engine._pad`).
+        passes: world lockstep only (`Engine.lockstep`): how many passes of each kind (`PREFILL`, `BRANCH`,
+            `REVERSE`) every rank runs for this slot, its own (a sharded group's branch rounds included) first, then
+            fillers (`Engine._pad`).
     """
 
     group: PromptGroup | None
@@ -698,7 +699,7 @@ class Engine:
                 torch.autograd.backward(hidden, torch.zeros_like(hidden))
 
     def _pad(self, slot: Slot, kind: int, done: int, device, backward_fn=None) -> None:
-        """Data-parallel lockstep: fillers that bring the `done` passes of `kind` this rank ran for `slot` to the
+        """World lockstep: fillers that bring the `done` passes of `kind` this rank ran for `slot` to the
         agreed count (`Slot.passes`). Nothing otherwise."""
         if slot.passes is None:
             return

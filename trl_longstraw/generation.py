@@ -187,7 +187,8 @@ def shared_prompt_decoder(
     shards = engine.shards
     if shards is not None and rows_per_rank is None:
         raise ValueError("decoding against a sharded prompt state needs rows_per_rank")
-    lockstep = engine.lockstep and dist.is_initialized() and dist.get_world_size() > 1
+    # The data-parallel lockstep (no sharded state); shard groups smaller than the world do not decode in lockstep.
+    lockstep = engine.lockstep and engine.shards is None and dist.is_initialized() and dist.get_world_size() > 1
 
     def decode(
         model,
@@ -395,7 +396,8 @@ def generate_shared(
     items: list[tuple[tuple[int, ...], list[int]] | None] = list(groups.items())
     rows_per_rank: list[list[int] | None] = [None] * len(items)
     prefill_passes: list[int | None] = [None] * len(items)
-    lockstep = engine.lockstep and dist.is_initialized() and dist.get_world_size() > 1
+    # The data-parallel lockstep (no sharded state); shard groups smaller than the world do not decode in lockstep.
+    lockstep = engine.lockstep and engine.shards is None and dist.is_initialized() and dist.get_world_size() > 1
     if engine.shards is not None:
         # The ranks of a shard group hold the same prompts (other rows of them) and decode them in one agreed order.
         keyed = [PromptGroup(tokens=torch.tensor(tokens), pad=0, rows=rows) for tokens, rows in items]

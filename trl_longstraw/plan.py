@@ -521,8 +521,8 @@ class Setup:
         gpus: processes (one GPU each).
         gpu_memory: bytes per GPU (default 80 GB).
         shard_prompt_state: the prompt state and its gradient are split over the GPUs of a shard group.
-        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2, one group of
-            all GPUs (or no sharded state) lets FSDP2 gather layer by layer; smaller groups gather the whole model.
+        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2 every setup
+            gathers layer by layer (smaller groups pad their passes to the world's, as the ranks do unsharded).
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
@@ -713,11 +713,11 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             on_gpu, detail = fsdp[name] + local[name], details[name]
         items.append(Item(name, on_gpu, detail, resident=name == "weights"))
     state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
-    if shards > 1 and (not u.shard_prompt_state or state_parts == u.gpus):
-        # Lockstep passes (the sharded state's over all GPUs, or the data-parallel one: equal pass counts per rank):
-        # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered); the root's own
-        # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass. Routed
-        # experts under expert parallelism are never gathered.
+    if shards > 1:
+        # Lockstep passes (the sharded state's over all GPUs, or equal pass counts per rank over the world, without a
+        # sharded state or with smaller shard groups): FSDP2 gathers and frees layer by layer
+        # (distributed.fsdp2_gathered); the root's own parameters stay gathered, its gradient accumulates unreduced
+        # until the micro-batch's sync pass. Routed experts under expert parallelism are never gathered.
         layer, layer_trainable = s.largest_layer_params, s.largest_layer_trainable
         if u.expert_parallel:
             # With EP groups smaller than the GPUs, FSDP2 gathers a layer's local experts over their replicas.
@@ -738,19 +738,6 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             staged = share(2 * layer * u.trainable_weight_bytes + layer_trainable * u.grad_bytes, shards)
             detail += f" + {_size(staged)} of shards staged from and to the host"
         items.append(Item("FSDP all-gathered", gathered * u.compute_bytes + staged, detail))
-    elif shards > 1:
-        # Shard groups smaller than the GPUs run different passes, so the engine gathers the whole model once per call
-        # and reduces the gradient once per micro-batch (docs/distributed.md).
-        whole = s.total_params - moved + s.trainable_params - moved_trainable
-        items.append(
-            Item(
-                "FSDP all-gathered",
-                whole * u.compute_bytes,
-                "whole model + its unreduced gradient, gathered once per engine call (shard groups smaller than the "
-                f"GPUs run different passes), {u.compute_bytes} B each"
-                + (", routed experts excluded" if moved else ""),
-            )
-        )
     tokens = state_tokens(u.positions)
     chunks = -(-tokens // u.prefill_chunk_size)
     # Per-token records (attention K/V, MLA latents) are split over the shard group. The fixed recurrent records
