@@ -181,6 +181,16 @@ class PromptShards:
             )
         return order, [[other[1][i] for other in everyone] for i in range(len(order))]
 
+    def extremes(self, values: list[int], device) -> tuple[list[int], list[int]]:
+        """The smallest and largest of each of `values` over the ranks of the group (one all-reduce).
+
+        Collective: every rank passes as many values, in one agreed order (e.g. of the prompts `agree` ordered).
+        """
+        both = torch.tensor([*values, *(-v for v in values)], dtype=torch.long, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        highest, negated = both.tolist()[: len(values)], both.tolist()[len(values) :]
+        return [-v for v in negated], highest
+
 
 def shard_group_size(world: int, requested: int, num_generations: int, rows_per_process: int) -> int:
     """The number of ranks per prompt shard group, checked against the way TRL spreads prompts over processes.
@@ -326,21 +336,25 @@ def merge_replicated(out: torch.Tensor, lse: torch.Tensor, shards: PromptShards)
     return num / den[..., None], merged_lse
 
 
-def gather_tokens(x: torch.Tensor, shards: PromptShards) -> torch.Tensor:
+def gather_tokens(x: torch.Tensor, shards: PromptShards, width: int | None = None) -> torch.Tensor:
     """Every rank's tokens, stacked: `x` `[T, ...]` (`T = shards.lengths[rank]`) -> `[W, Tmax, ...]`, zero-padded.
 
-    Collective; differentiable (the backward returns each rank the gradient of its own rows, summed over ranks).
+    With `width`, `x` is this rank's part of a slice of every rank's tokens, of at most `width` rows on every rank:
+    `[W, width, ...]`. Collective; differentiable (the backward returns each rank the gradient of its own rows, summed
+    over ranks).
     """
-    return _GatherTokens.apply(_pad_t(x, max(shards.lengths), 0), shards.world, shards.group)
+    width = max(shards.lengths) if width is None else width
+    return _GatherTokens.apply(_pad_t(x, width, 0), shards.world, shards.group)
 
 
-def return_tokens(x: torch.Tensor, shards: PromptShards) -> torch.Tensor:
+def return_tokens(x: torch.Tensor, shards: PromptShards, keep: int | None = None) -> torch.Tensor:
     """The inverse exchange of `gather_tokens`: `x` `[W, Tmax, ...]`, whose slice `j` was computed for the tokens of
-    rank `j`, is sent to rank `j`; returns `[W, T, ...]` whose slice `s` came from rank `s`.
+    rank `j`, is sent to rank `j`; returns `[W, T, ...]` whose slice `s` came from rank `s` (`[W, keep, ...]` for a
+    slice of which this rank has `keep` rows).
 
     Collective; differentiable.
     """
-    return _ReturnTokens.apply(x, shards.group)[:, : shards.lengths[shards.rank]]
+    return _ReturnTokens.apply(x, shards.group)[:, : shards.lengths[shards.rank] if keep is None else keep]
 
 
 def _pad_t(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:

@@ -177,8 +177,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "shard_prompt_state=True, generation runs through transformers' generate."
             )
         elif not self._generation_in_lockstep():
-            # Shard groups smaller than the world run different passes, so the engine gathers the whole model per
-            # call there, while transformers' generate runs every process in lockstep under FSDP (synced_gpus).
+            # Shard groups smaller than the world pad their loss passes to the world's (`Engine.lockstep`), but
+            # shared-prompt decoding has no such padding across groups yet; transformers' generate runs every process
+            # in lockstep under FSDP (synced_gpus).
             logger.warning(
                 "under FSDP2 with shard groups smaller than the world (prompt_shard_group_size), the ranks cannot "
                 "decode in one lockstep: generation runs through transformers' generate (synced_gpus). Set "
@@ -225,12 +226,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         size = shard_group_size(world, self.args.prompt_shard_group_size, self.num_generations, rows)
         if size == world:
             return PromptShards(None)
-        if self.is_fsdp_enabled:
-            logger.warning(
-                f"prompt_shard_group_size={size} < {world} processes under FSDP: the shard groups run different "
-                "passes, so the engine gathers the whole model for each call instead of layer by layer. Set "
-                "prompt_shard_group_size=0 (one group of all processes) unless the model fits whole on one GPU."
-            )
+        # Under FSDP2 the groups run their passes padded to the world's agreed counts (`Engine.lockstep`), so FSDP2
+        # still gathers layer by layer.
         group = None
         for first in range(0, world, size):  # every rank creates every group, as new_group requires
             ranks = list(range(first, first + size))
@@ -446,11 +443,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
         In training, the loss pass that follows with the same weights (`num_iterations=1`, or the first iteration)
         takes them instead of prefilling again (`Engine.offer`); exact mode needs the recurrent chunk boundaries.
-        Not with per-call RoPE (dynamic, longrope): generation pins other frequencies than the loss pass. Not with a
-        sharded prompt state: the ranks of a shard group prefill together, so they must agree on which prompts they
-        take, and which prompts have no left padding differs from rank to rank.
+        Not with per-call RoPE (dynamic, longrope): generation pins other frequencies than the loss pass. Every
+        prompt is offered at the positions the loss pass gives it (after its left padding in the batch); with a
+        sharded prompt state, the ranks of a shard group agree on which prompts they offer and take (see
+        `generation.generate_shared` and `Engine._agree_held`).
         """
-        if not self.model.training or engine.rope.modules or self._prompt_shards is not None:
+        if not self.model.training or engine.rope.modules:
             return None
         return self.args.prompt_gradient == "exact"
 
