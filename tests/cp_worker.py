@@ -6,8 +6,8 @@ micro-batch alone (no shards: fp32, then bf16 autocast), then its own rows with 
 ranks (fp32, bf16), whose gradients are summed over the ranks. The micro-batch: one prompt of 61 tokens in chunks
 of 7 (60 prefix tokens: 4 rounds of 2 chunks of 7, then a round of 2 + 2), 2 + 2 ragged completions; for glm_moe_dsa
 a second, left-padded prompt of 38 tokens (37 prefix tokens: 2 rounds of 2 chunks of 7, then a round of 5 + 4), each
-rank holding one completion of each prompt, and the DSA round check `dsa_round_errors` of every rank (the exchanges
-in slices of 3 rows per rank). Rank 0 writes the four gradient sets (and the DSA errors) to `OUT`.
+rank holding one completion of each prompt, the rounds' exchanges in slices of 3 query rows per rank, and the DSA
+round check `dsa_round_errors` of every rank. Rank 0 writes the four gradient sets (and the DSA errors) to `OUT`.
 """
 
 from __future__ import annotations

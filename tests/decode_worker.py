@@ -15,7 +15,8 @@ each rank:
   records this rank holds of how many chunks;
 - greedy again on an FSDP2 model (`fully_shard` on every layer and the root), where `generate` runs with
   `synced_gpus` and the decoder in lockstep with FSDP2's per-layer gathers; and on the same model without a sharded
-  state (different prompts per rank: the data-parallel lockstep of generation).
+  state (different prompts per rank: the data-parallel lockstep of generation); and checks that transformers'
+  `generate` would run in lockstep (synced_gpus) on a PEFT model sharded by `fully_shard` as accelerate does.
 
 Rank 0 writes every rank's results to `OUT`.
 """
@@ -181,7 +182,20 @@ def main(model_path: str, out_path: str) -> None:
             generation_config=trainer.generation_config,
         )
 
+    # Where the trainer falls back to transformers' generate under FSDP2 (shard groups smaller than the world),
+    # generate must run every rank in lockstep (synced_gpus): it does for any module fully_shard manages, so for
+    # accelerate's FSDP2 of a PEFT model too (generate runs on the causal LM inside the PEFT wrappers).
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=2, target_modules=["o_proj"]))
+    for layer in peft.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(peft, mesh=mesh)
+    peft_synced_gpus = is_fsdp_managed_module(peft.base_model.model)
+
     mine = {
+        "peft_synced_gpus": peft_synced_gpus,
         "greedy": (got, expected),
         "fsdp2_greedy": fsdp_got,
         "fsdp2_data_parallel": (dp_got, trim_after_eos(dp_out[:, dp_width:], trainer.eos_token_ids)),

@@ -131,8 +131,8 @@ def main(model_path: str, out_path: str) -> None:
         trainer._prompt_shards = shards if mode == "sharded" else None
         trainer._engines.clear()
         ids = [tokenizer(text=PROMPTS[i])["input_ids"] for i in ROWS[mode][rank]]
-        # Ragged EOS: rank 0 also stops at the token its row k draws at step k + 2 (or its last), so its rows end at
-        # different steps, and all of them before rank 1's longest.
+        # Ragged EOS: rank 0 also stops at the token its row k draws at step k + 2 (or its last), so all its rows end
+        # before rank 1's longest.
         drawn = reference(ids, base_eos)
         eos = base_eos + ([row[min(k + 1, len(row) - 1)] for k, row in enumerate(drawn)] if rank == 0 else [])
         expected = reference(ids, eos)

@@ -14,7 +14,7 @@ The two groups hold different prompts, numbers of prompts, chunks and completion
 passes; the engine pads each group's passes to the world's agreed counts, and FSDP2 gathers and frees the layers pass
 by pass. Each rank records its collectives (`dist_worker.count_collectives`) and, whenever FSDP2 gathers, how many
 decoder layers are gathered (`dist_worker.probe_gathers`). Rank 0 writes the full (gathered) parameter gradients and
-every rank's records to `OUT`.
+every rank's records to `OUT`, by model path.
 """
 
 from __future__ import annotations
@@ -111,7 +111,6 @@ def main(batches_path: str, out_path: str, *model_paths: str) -> None:
         assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
         # Each model's probe wraps FSDP2's gathers again; the earlier models' probes see their own (idle) layers.
         gathered, most_gathered = probe_gathers(fsdp)
-        family = fsdp.config.model_type
         per_family: dict = {"grads": {}, "collectives": {}, "gathered": {}}
         for name, mode, micro_batches in [("exact", "exact", "GH"), ("detached", "detached", "G")]:
             start = len(log)
@@ -136,7 +135,7 @@ def main(batches_path: str, out_path: str, *model_paths: str) -> None:
             per_family["gathered"][name] = most_gathered()
         everyone: list = [None] * world
         dist.all_gather_object(everyone, (per_family["collectives"], per_family["gathered"]))
-        results[family] = {
+        results[model_path] = {
             "grads": per_family["grads"],
             "collectives": [e[0] for e in everyone],
             "gathered": [e[1] for e in everyone],

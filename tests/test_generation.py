@@ -350,6 +350,7 @@ def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, fami
         got, expected = result["greedy"]
         assert got == expected, f"rank {rank}"
         assert result["fsdp2_greedy"] == expected, f"rank {rank}: FSDP2 (synced_gpus, per-layer gathers)"
+        assert result["peft_synced_gpus"], f"rank {rank}: generate would not run an FSDP2 PEFT model in lockstep"
         dp_got, dp_expected = result["fsdp2_data_parallel"]
         assert dp_got == dp_expected, f"rank {rank}: FSDP2 without a sharded state (data-parallel lockstep)"
         assert len({len(c) for c in got}) > 1, "completions of different lengths (EOS midway)"

@@ -38,8 +38,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             unsharded ones up to float rounding.
         prompt_shard_group_size (`int`, *optional*, defaults to `0`):
             Ranks per shard group, consecutive in rank order (e.g. the GPUs of one node); `0` means all processes.
-            Must divide the number of processes. Under FSDP2 only one group of all processes lets FSDP2 gather the
-            model layer by layer; smaller groups make the engine gather it whole.
+            Must divide the number of processes. Under FSDP2 smaller groups pad their passes to the other groups'
+            (one-token filler passes), so FSDP2 gathers the model layer by layer with any group size.
         offload_boundary_states (`bool`, *optional*, defaults to `False`):
             Exact mode: keep the recurrent layers' state at each prompt chunk boundary (Gated DeltaNet; needed only by
             the reverse pass) in host memory, pinned on CUDA, and bring each back one chunk ahead of the reverse pass
@@ -120,8 +120,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=0,
         metadata={
             "help": "Ranks per prompt shard group, consecutive in rank order (e.g. one node's GPUs); 0 means all "
-            "processes. Must divide the number of processes. Under FSDP2, 0 lets FSDP2 gather the model layer by "
-            "layer; smaller groups make the engine gather it whole."
+            "processes. Must divide the number of processes. Under FSDP2 smaller groups pad their passes to the other "
+            "groups' (one-token fillers), so FSDP2 gathers layer by layer with any group size."
         },
     )
     offload_boundary_states: bool = field(

@@ -57,13 +57,15 @@ def fsdp2_root(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def agree_pass_counts(counts: list[tuple[int, int, int]], slots: int, device) -> list[tuple[int, int, int]]:
-    """The pass counts every rank of the world runs in one engine call of the data-parallel lockstep.
+    """The pass counts every rank of the world runs in one engine call of the world lockstep (data-parallel, or
+    across shard groups smaller than the world).
 
     One all-reduce (max) of a `[slots, 3]` tensor: every rank passes the same `slots` (the rows of its micro-batch,
     an upper bound on its prompts; TRL gives every process the same number of rows).
 
     Args:
-        counts: for each prompt this rank runs, in its order, `(prefill chunks, branch passes, reverse chunks)`.
+        counts: for each prompt this rank runs, in its order, `(prefill passes, branch passes, reverse passes)`
+            (chunks or context-parallel rounds; a sharded group's branch rounds).
         slots: at least `len(counts)` on every rank.
         device: where the collective's tensor lives (the backend's device).
 

@@ -97,19 +97,36 @@ class Pass:
         # Reverse pass: layer -> records computed with autograd. Set to None after the forward, so that a gradient
         # checkpointing recompute during backward does not capture again.
         self.sink: dict[int, tuple[torch.Tensor, ...]] | None = None
-        # Reverse pass under gradient checkpointing: layer -> what its attention keeps for the checkpoint's recompute
-        # (`attention.prefix_merge_attention`'s `reuse`); None elsewhere.
+        # A forward with autograd under gradient checkpointing (the reverse pass's chunks, the loss pass's branches):
+        # layer -> what its attention keeps for the checkpoint's recompute (`attention.prefix_merge_attention`'s
+        # `reuse`); None elsewhere. `filling` is True during the forward, False during the backward's recompute.
         self.reuse: dict[int, dict] | None = None
+        self.filling = False
 
     def attention_reuse(self, layer_idx: int) -> dict | None:
-        """The `reuse` slot of this layer's prompt attention: filled by the reverse pass's forward (while `sink` is
-        set), emptied by gradient checkpointing's recompute during the backward."""
+        """The `reuse` slot of this layer's prompt attention: filled by a forward (while `filling`), emptied by
+        gradient checkpointing's recompute during the backward."""
         if self.reuse is None:
             return None
         slot = self.reuse.setdefault(layer_idx, {})
-        if self.sink is not None:  # the forward fills an empty slot
+        if self.filling:  # the forward fills an empty slot
             return None if slot else slot
         return slot or None  # the recompute takes a filled one
+
+    @contextlib.contextmanager
+    def keeping_attention(self, on: bool):
+        """A forward with autograd and its backward, under gradient checkpointing (`on`): each attention layer keeps
+        its output for the checkpoint's recompute (`attention_reuse`). The forward runs while `filling`; the caller
+        clears it before the backward. Whatever the recompute did not take is dropped on exit. Nothing when not `on`.
+        """
+        if not on:
+            yield
+            return
+        self.reuse, self.filling = {}, True
+        try:
+            yield
+        finally:
+            self.reuse, self.filling = None, False
 
     def read(self, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
         """The records of chunks `[0, visible)` of this layer."""
@@ -298,10 +315,11 @@ class Slot:
     """One prompt of an engine call, in the order of `Engine._schedule`.
 
     Attributes:
-        group: the prompt; None on a rank that has no prompt left in the data-parallel lockstep (fillers only).
+        group: the prompt; None on a rank that has no prompt left in the world lockstep (fillers only).
         rows: its branch rows; `None` is a zero-weight filler branch (sharded lockstep, one branch per round).
-        passes: data-parallel lockstep only: how many passes of each kind (`PREFILL`, `BRANCH`, `REVERSE`) every rank
-            runs for this slot, its own first, then fillers (`Engine._pad`).
+        passes: world lockstep only (`Engine.lockstep`): how many passes of each kind (`PREFILL`, `BRANCH`,
+            `REVERSE`) every rank runs for this slot, its own (a sharded group's branch rounds included) first, then
+            fillers (`Engine._pad`).
     """
 
     group: PromptGroup | None
@@ -586,17 +604,16 @@ class Engine:
                     start, end, cp = self._declare(c, bounds)
                     p = Pass(state, visible=c, shard=self.shards, cp=cp)
                     p.sink = {}
-                    if self._backbone().is_gradient_checkpointing:
-                        # The recompute of each layer takes its attention's output instead of attending again.
-                        p.reuse = {}
-                    with use_pass(p), torch.enable_grad():
+                    checkpointed = self._backbone().is_gradient_checkpointing
+                    # The recompute of each layer takes its attention's output instead of attending again.
+                    with use_pass(p), torch.enable_grad(), p.keeping_attention(checkpointed):
                         with self.autocast():
                             hidden = self._backbone()(
                                 input_ids=prefix[None, start:end],
                                 position_ids=self._positions(group.pad + start, end - start, prefix.device),
                                 use_cache=False,
                             ).last_hidden_state
-                        captured, p.sink = p.sink, None
+                        captured, p.sink, p.filling = p.sink, None, False
                         outputs, grads = [], []
                         if self.fsdp:
                             # A zero seed on the output: under per-pass FSDP2 the last layer's parameters are
@@ -698,7 +715,7 @@ class Engine:
                 torch.autograd.backward(hidden, torch.zeros_like(hidden))
 
     def _pad(self, slot: Slot, kind: int, done: int, device, backward_fn=None) -> None:
-        """Data-parallel lockstep: fillers that bring the `done` passes of `kind` this rank ran for `slot` to the
+        """World lockstep: fillers that bring the `done` passes of `kind` this rank ran for `slot` to the
         agreed count (`Slot.passes`). Nothing otherwise."""
         if slot.passes is None:
             return
@@ -928,18 +945,24 @@ class Engine:
                 state.requires_grad_()
             t0 = time.perf_counter()
             done = 0
-            with self.adapter.activate(), use_pass(Pass(state, visible=state.num_chunks, shard=self.shards)):
+            checkpointed = self._backbone().is_gradient_checkpointing
+            p = Pass(state, visible=state.num_chunks, shard=self.shards)
+            with self.adapter.activate(), use_pass(p):
                 for row in slot.rows:
                     done += 1
                     if row is None:
                         self._zero_branch(group, backward_fn, device)
                         continue
                     n = lengths[row]
-                    lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
-                    surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
-                    if grad_entropies is not None:
-                        surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
-                    backward_fn(surrogate)
+                    # The checkpoint's recompute takes each attention layer's output over the prompt (the costly part
+                    # of a branch) instead of attending again.
+                    with p.keeping_attention(checkpointed):
+                        lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
+                        p.filling = False
+                        surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
+                        if grad_entropies is not None:
+                            surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
+                        backward_fn(surrogate)
                 self._pad(slot, BRANCH, done, device, backward_fn)
             self.stats.replay_s += time.perf_counter() - t0
             self._pad(slot, REVERSE, self.reverse(group, state) if exact else 0, device)

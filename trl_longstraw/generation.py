@@ -17,11 +17,12 @@ all-gathers and, under expert parallelism (`expert_parallel`), the experts' all-
 the prompt state sharded over all processes the ranks of the shard group decode the same prompts in one agreed order,
 every step a branch round of their rows, until every rank's rows are done (their prompt attention merges across the
 ranks anyway). Without a sharded state (data parallelism: different prompts per rank, the engine's *data-parallel
-lockstep*), the ranks agree in one max all-reduce on the number of prompt slots and each slot's prefill chunks
-(`distributed.agree_pass_counts`, as the loss pass does), pad theirs with one-token filler prefills, and after each
-decoding step agree (one small all-reduce) whether any rank still decodes; a rank whose rows are done, or that has no
-prompt in the slot, runs one-token filler steps (`_filler_step`) whose outputs are discarded until then. Either way
-every rank runs the same number of forwards in the same order, so the collectives meet.
+lockstep*), the ranks agree on the number of prompt slots and each slot's prefill chunks (two max all-reduces: the
+most distinct prompts of any rank, then `distributed.agree_pass_counts`, as the loss pass does), pad theirs with
+one-token filler prefills, and after each decoding step agree (one small all-reduce) whether any rank still decodes;
+a rank whose rows are done, or that has no prompt in the slot, runs one-token filler steps (`_filler_step`) whose
+outputs are discarded until then. Either way every rank runs the same number of forwards in the same order, so the
+collectives meet.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig
 from transformers.generation import GenerationMode
-from trl.trainer.utils import pad
 
 from .distributed import agree_pass_counts, fsdp2_gathered
 from .engine import PREFILL, Engine, Pass, PromptGroup, PromptState, use_pass
@@ -189,7 +189,8 @@ def shared_prompt_decoder(
     shards = engine.shards
     if shards is not None and rows_per_rank is None:
         raise ValueError("decoding against a sharded prompt state needs rows_per_rank")
-    lockstep = engine.lockstep and dist.is_initialized() and dist.get_world_size() > 1
+    # The data-parallel lockstep (no sharded state); shard groups smaller than the world do not decode in lockstep.
+    lockstep = engine.lockstep and engine.shards is None and dist.is_initialized() and dist.get_world_size() > 1
 
     def decode(
         model,
@@ -232,6 +233,13 @@ def shared_prompt_decoder(
         if offer:
             engine.offer(group, state)
         tail = engine.adapter.decode_tail(generation_config.max_length - width)
+        # The rows' ids `[G, width + max new tokens]`, filled one column per step; `ids` is the view of what is
+        # decoded so far, which the logits processors and stopping criteria read as stock's `input_ids`. Allocated
+        # after the prefill and written in place, where stock concatenates a new `[G, width + t]` tensor per step.
+        buffer = input_ids.new_empty(rows, max(generation_config.max_length, width + 1))
+        buffer[:, :width] = input_ids
+        ids = buffer[:, :width]
+        del input_ids
         step_ids = prompt[-1:].expand(rows)
         step = 0
         with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail, shards)):
@@ -243,12 +251,12 @@ def shared_prompt_decoder(
                 with engine.autocast(), engine.rope.pinned(longest + step):
                     outputs = engine.causal_lm(
                         input_ids=step_ids[:, None],
-                        position_ids=torch.full((rows, 1), position, device=input_ids.device),
+                        position_ids=torch.full((rows, 1), position, device=buffer.device),
                         use_cache=False,
                     )
-                next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+                next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=buffer.device)
                 del outputs
-                next_token_scores = logits_processor(input_ids, next_token_logits)
+                next_token_scores = logits_processor(ids, next_token_logits)
                 if generation_config.do_sample:
                     probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
                     next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -256,13 +264,16 @@ def shared_prompt_decoder(
                     next_tokens = torch.argmax(next_token_scores, dim=-1)
                 if has_eos_stopping_criteria:
                     next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
-                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-                unfinished = unfinished & ~stopping_criteria(input_ids, None)
+                if ids.shape[1] == buffer.shape[1]:  # a stopping criterion past max_length: grow as stock's cat
+                    buffer = torch.cat([buffer, buffer.new_empty(rows, buffer.shape[1])], dim=1)
+                buffer[:, ids.shape[1]] = next_tokens
+                ids = buffer[:, : ids.shape[1] + 1]
+                unfinished = unfinished & ~stopping_criteria(ids, None)
                 if not _any_unfinished(unfinished, shards, lockstep):
-                    return input_ids
+                    return ids
                 if lockstep and not unfinished.any():  # this rank's rows are done, another rank's are not
-                    _filler_steps(engine, input_ids.device)
-                    return input_ids
+                    _filler_steps(engine, buffer.device)
+                    return ids
                 step_ids = next_tokens
                 step += 1
 
@@ -376,18 +387,19 @@ def generate_shared(
     Returns:
         Per row, the generated ids up to and including the first EOS.
     """
-    tensors = [torch.tensor(ids) for ids in prompt_ids]
-    padded = pad(tensors, padding_value=pad_token_id, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
-    ones = [torch.ones_like(t) for t in tensors]
-    mask = pad(ones, padding_value=0, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
-    padded, mask = padded.to(device), mask.to(device)
+    # The batch width of stock's left padding; each prompt's rows are built from one padded row (views), not as a
+    # `[B, width]` copy of the whole batch.
+    width = max(len(ids) for ids in prompt_ids)
+    if pad_to_multiple_of is not None:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     groups: dict[tuple[int, ...], list[int]] = {}
     for row, ids in enumerate(prompt_ids):
         groups.setdefault(tuple(ids), []).append(row)
     items: list[tuple[tuple[int, ...], list[int]] | None] = list(groups.items())
     rows_per_rank: list[list[int] | None] = [None] * len(items)
     prefill_passes: list[int | None] = [None] * len(items)
-    lockstep = engine.lockstep and dist.is_initialized() and dist.get_world_size() > 1
+    # The data-parallel lockstep (no sharded state); shard groups smaller than the world do not decode in lockstep.
+    lockstep = engine.lockstep and engine.shards is None and dist.is_initialized() and dist.get_world_size() > 1
     if engine.shards is not None:
         # The ranks of a shard group hold the same prompts (other rows of them) and decode them in one agreed order.
         keyed = [PromptGroup(tokens=torch.tensor(tokens), pad=0, rows=rows) for tokens, rows in items]
@@ -398,16 +410,20 @@ def generate_shared(
         # Data-parallel lockstep: the ranks hold different prompts. Fewest chunks first, so that the ranks' long
         # prompts share slots; every rank then runs each slot's agreed prefill passes, and empty slots (no prompt of
         # its own: `None`) up to the most prompts of any rank.
-        chunks = {tokens: engine._num_chunks(PromptGroup(torch.tensor(tokens), 0, [])) for tokens in groups}
+        chunks = {tokens: engine._num_passes(PromptGroup(torch.tensor(tokens), 0, [])) for tokens in groups}
         items.sort(key=lambda item: chunks[item[0]])
-        agreed = agree_pass_counts([(chunks[tokens], 0, 0) for tokens, _ in items], len(prompt_ids), device)
+        # The agreement's table needs the same size on every rank; TRL gives every process the same rows except in
+        # multi-turn tool calls, which generate again for the rows that called a tool.
+        slots = torch.tensor([len(items)], device=device)
+        dist.all_reduce(slots, op=dist.ReduceOp.MAX)
+        agreed = agree_pass_counts([(chunks[tokens], 0, 0) for tokens, _ in items], int(slots.item()), device)
         items += [None] * (len(agreed) - len(items))
         rows_per_rank = [None] * len(items)
         prefill_passes = [counts[PREFILL] for counts in agreed]
     # Left padding of each prompt in the batch, where the loss pass places it (offers only).
     offsets: list[int | None] = [None] * len(items)
     if offer_boundaries is not None:
-        offsets = [None if item is None else padded.shape[1] - len(item[0]) for item in items]
+        offsets = [None if item is None else width - len(item[0]) for item in items]
         if engine.shards is not None and offsets:  # no fillers here: `agree` gave every rank the same prompts
             # The ranks prefill a prompt together, so they place it alike: they offer it only where their loss
             # passes will look it up under the same padding.
@@ -428,9 +444,10 @@ def generate_shared(
             continue
         tokens, rows = item
         engine.rope.restore(start)
+        prompt = torch.tensor(tokens, device=device)
         decoder = shared_prompt_decoder(
             engine,
-            torch.tensor(tokens, device=device),
+            prompt,
             longest,
             counts,
             offer=offset is not None,
@@ -438,12 +455,21 @@ def generate_shared(
             offset=offset or 0,
             prefill_passes=passes,
         )
+        # The rows as `generate` receives them in stock, left-padded to the batch width: one row, expanded.
+        padded = torch.full((1, width), pad_token_id, dtype=prompt.dtype, device=device)
+        padded[0, width - len(tokens) :] = prompt
+        mask = torch.zeros((1, width), dtype=prompt.dtype, device=device)
+        mask[0, width - len(tokens) :] = 1
         out = model.generate(
-            input_ids=padded[rows], attention_mask=mask[rows], generation_config=config, custom_generate=decoder
+            input_ids=padded.expand(len(rows), -1),
+            attention_mask=mask.expand(len(rows), -1),
+            generation_config=config,
+            custom_generate=decoder,
         )
+        del padded, mask
         if out.shape[1] > most_steps:
             most_steps, final = out.shape[1], engine.rope.snapshot()
-        for row, completion in zip(rows, trim_after_eos(out[:, padded.shape[1] :], eos_token_ids), strict=True):
+        for row, completion in zip(rows, trim_after_eos(out[:, width:], eos_token_ids), strict=True):
             completions[row] = completion
     engine.rope.restore(final)
     return completions

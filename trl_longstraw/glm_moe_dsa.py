@@ -93,7 +93,7 @@ INDEX_KEY_BLOCK = 1 << 15
 INDEX_TILE = 1 << 26
 # Query rows of every rank gathered at once by the exchanges of a sharded prompt state (branch rounds and
 # context-parallel rounds, `exchange_slices`): bounds the gathered indexer queries, absorbed queries `[rows, heads,
-# R + Dr]`, top-k candidates and partial latents `[rows, heads, R + 1]` fp32 alive at once. GLM-5.2: about 1.6 GB.
+# R + Dr]`, top-k candidates and partial latents `[rows, heads, R + 1]` fp32 alive at once. GLM-5.2: about 1.8 GiB.
 EXCHANGE_ROWS = 1 << 12
 
 

@@ -330,6 +330,16 @@ def dsa_selection_bytes(stats: ModelStats, queries: int, keys: int) -> int:
     return queries * (stats.index_topk + block) * (4 + 8) + min(INDEX_TILE, queries * stats.index_heads * block) * 4
 
 
+def exchange_rows(stats: ModelStats, rows: int) -> int:
+    """Query rows of every rank that one attention layer gathers at once when a round of the sharded prompt state
+    exchanges `rows` in all: `glm_moe_dsa` slices its exchanges (`glm_moe_dsa.EXCHANGE_ROWS`), the others do not."""
+    if stats.model_type != "glm_moe_dsa":
+        return rows
+    from .glm_moe_dsa import EXCHANGE_ROWS
+
+    return min(rows, EXCHANGE_ROWS)
+
+
 def activation_multiples(model_type: str) -> tuple[float, float]:
     """`(no grad, with autograd)` activation multiples of a model type (see `ACTIVATION_MULTIPLES`)."""
     return ACTIVATION_MULTIPLES.get(model_type, ACTIVATION_MULTIPLES["llama"])
@@ -364,6 +374,8 @@ class ModelStats:
         model_type: the config's, for its activation multiples (`ACTIVATION_MULTIPLES`).
         attention_heads, head_dim: query heads and their width, for the score tiles of the portable attention path.
         index_heads, index_topk: the DSA indexer's heads and top-k (`glm_moe_dsa`), for its selection buffers.
+        round_row_elems: per token, the record elements of one layer that a context-parallel round gathers from
+            every rank (`glm_moe_dsa`: the MLA row and the index key, `glm_moe_dsa.round_rows`); 0 for others.
     """
 
     total_params: int
@@ -391,6 +403,7 @@ class ModelStats:
     head_dim: int = 0
     index_heads: int = 0
     index_topk: int = 0
+    round_row_elems: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -495,6 +508,11 @@ def model_stats(
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         index_heads=getattr(config, "index_n_heads", 0) or 0,
         index_topk=getattr(config, "index_topk", 0) or 0,
+        round_row_elems=(
+            config.kv_lora_rank + config.qk_rope_head_dim + config.index_head_dim
+            if config.model_type == "glm_moe_dsa"
+            else 0
+        ),
     )
 
 
@@ -521,8 +539,8 @@ class Setup:
         gpus: processes (one GPU each).
         gpu_memory: bytes per GPU (default 80 GB).
         shard_prompt_state: the prompt state and its gradient are split over the GPUs of a shard group.
-        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2, one group of
-            all GPUs (or no sharded state) lets FSDP2 gather layer by layer; smaller groups gather the whole model.
+        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2 every setup
+            gathers layer by layer (smaller groups pad their passes to the world's, as the ranks do unsharded).
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
@@ -713,11 +731,11 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             on_gpu, detail = fsdp[name] + local[name], details[name]
         items.append(Item(name, on_gpu, detail, resident=name == "weights"))
     state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
-    if shards > 1 and (not u.shard_prompt_state or state_parts == u.gpus):
-        # Lockstep passes (the sharded state's over all GPUs, or the data-parallel one: equal pass counts per rank):
-        # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered); the root's own
-        # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass. Routed
-        # experts under expert parallelism are never gathered.
+    if shards > 1:
+        # Lockstep passes (the sharded state's over all GPUs, or equal pass counts per rank over the world, without a
+        # sharded state or with smaller shard groups): FSDP2 gathers and frees layer by layer
+        # (distributed.fsdp2_gathered); the root's own parameters stay gathered, its gradient accumulates unreduced
+        # until the micro-batch's sync pass. Routed experts under expert parallelism are never gathered.
         layer, layer_trainable = s.largest_layer_params, s.largest_layer_trainable
         if u.expert_parallel:
             # With EP groups smaller than the GPUs, FSDP2 gathers a layer's local experts over their replicas.
@@ -738,19 +756,6 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             staged = share(2 * layer * u.trainable_weight_bytes + layer_trainable * u.grad_bytes, shards)
             detail += f" + {_size(staged)} of shards staged from and to the host"
         items.append(Item("FSDP all-gathered", gathered * u.compute_bytes + staged, detail))
-    elif shards > 1:
-        # Shard groups smaller than the GPUs run different passes, so the engine gathers the whole model once per call
-        # and reduces the gradient once per micro-batch (docs/distributed.md).
-        whole = s.total_params - moved + s.trainable_params - moved_trainable
-        items.append(
-            Item(
-                "FSDP all-gathered",
-                whole * u.compute_bytes,
-                "whole model + its unreduced gradient, gathered once per engine call (shard groups smaller than the "
-                f"GPUs run different passes), {u.compute_bytes} B each"
-                + (", routed experts excluded" if moved else ""),
-            )
-        )
     tokens = state_tokens(u.positions)
     chunks = -(-tokens // u.prefill_chunk_size)
     # Per-token records (attention K/V, MLA latents) are split over the shard group. The fixed recurrent records
@@ -824,9 +829,12 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # A branch round gathers every rank's queries for one attention layer at a time, and returns fp32 partial
         # outputs (computed, sent, received: three copies).
         queries, outputs = s.query_exchange
-        exchange = state_parts * u.completion_length * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
+        rows = exchange_rows(s, state_parts * u.completion_length)
+        exchange = rows * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
         branch += exchange
         detail += f" + {_size(exchange)} exchanged by one attention layer across the {state_parts} ranks' branches"
+        if rows < state_parts * u.completion_length:
+            detail += f" ({rows:,} queries at a time)"
     # One branch at a time (see `Setup.group_size`): its completion's tokens are the queries.
     tiles = score_tiles(s, u.compute_bytes, u.completion_length, autograd=True, device=u.device)
     if tiles:
@@ -844,6 +852,18 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     if selection:
         tiles += selection
         scored += f" + {_size(selection)} of DSA top-k candidates"
+    if state_parts > 1 and s.round_row_elems:
+        # A context-parallel round of MLA + DSA: every rank's chunk rows (with their gradient in the reverse pass),
+        # and the branch-round exchange of the prefix for one layer, in slices of gathered queries.
+        queries, outputs = s.query_exchange
+        rows = exchange_rows(s, state_parts * chunk)
+        gathered = state_parts * chunk * s.round_row_elems * u.compute_bytes * (2 if exact else 1)
+        exchange = gathered + rows * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
+        tiles += exchange
+        scored += (
+            f" + {_size(exchange)} exchanged by one attention layer across the {state_parts} ranks' chunks of a "
+            f"context-parallel round ({rows:,} queries at a time, and the round's rows)"
+        )
     if exact:
         reverse_per_token = graph_per_token
         if u.gradient_checkpointing:

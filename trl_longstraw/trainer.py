@@ -177,8 +177,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "shard_prompt_state=True, generation runs through transformers' generate."
             )
         elif not self._generation_in_lockstep():
-            # Shard groups smaller than the world run different passes, so the engine gathers the whole model per
-            # call there, while transformers' generate runs every process in lockstep under FSDP (synced_gpus).
+            # Shard groups smaller than the world pad their loss passes to the world's (`Engine.lockstep`), but
+            # shared-prompt decoding has no such padding across groups yet; transformers' generate runs every process
+            # in lockstep under FSDP (synced_gpus).
             logger.warning(
                 "under FSDP2 with shard groups smaller than the world (prompt_shard_group_size), the ranks cannot "
                 "decode in one lockstep: generation runs through transformers' generate (synced_gpus). Set "
