@@ -7,7 +7,11 @@ ranks (fp32, bf16), whose gradients are summed over the ranks. The micro-batch: 
 of 7 (60 prefix tokens: 4 rounds of 2 chunks of 7, then a round of 2 + 2), 2 + 2 ragged completions; for glm_moe_dsa
 a second, left-padded prompt of 38 tokens (37 prefix tokens: 2 rounds of 2 chunks of 7, then a round of 5 + 4), each
 rank holding one completion of each prompt, the rounds' exchanges in slices of 3 query rows per rank, and the DSA
-round check `dsa_round_errors` of every rank. Rank 0 writes the four gradient sets (and the DSA errors) to `OUT`.
+round check `dsa_round_errors` of every rank. For llama and qwen3_5,
+then, under gradient checkpointing, the sharded fp32 run twice: with the reverse pass's attention reuse (each
+checkpoint recompute takes its attention layer's kept output instead of exchanging and attending again) and without
+it, counting fused attention forwards and all-to-alls. Rank 0 writes the gradient sets (the DSA errors, the counts)
+to `OUT`.
 """
 
 from __future__ import annotations
@@ -148,6 +152,7 @@ def main(model_path: str, out_path: str) -> None:
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
+    from trl_longstraw import attention, engine, sharding
     from trl_longstraw.adapters import get_adapter
     from trl_longstraw.engine import Engine
     from trl_longstraw.sharding import PromptShards
@@ -203,6 +208,28 @@ def main(model_path: str, out_path: str) -> None:
     if glm:
         results["dsa round errors"] = [None] * world
         dist.all_gather_object(results["dsa round errors"], dsa_round_errors(rank))
+    else:
+        counts = {"kernel": 0, "all_to_all": 0}
+        kernel_forward, all_to_all = attention._kernel_forward, dist.all_to_all_single
+
+        def counted_kernel(*args):
+            counts["kernel"] += 1
+            return kernel_forward(*args)
+
+        def counted_all_to_all(*args, **kwargs):
+            counts["all_to_all"] += 1
+            return all_to_all(*args, **kwargs)
+
+        attention._kernel_forward = sharding._kernel_forward = counted_kernel
+        dist.all_to_all_single = counted_all_to_all
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # transformers checkpoints only in training mode; the tiny models have no dropout
+        results["sharded fp32 checkpointed, reuse"] = run(shards, contextlib.nullcontext)
+        results["counts, reuse"] = dict(counts)
+        counts.update(kernel=0, all_to_all=0)
+        engine.Pass.attention_reuse = lambda self, layer_idx: None
+        results["sharded fp32 checkpointed, no reuse"] = run(shards, contextlib.nullcontext)
+        results["counts, no reuse"] = dict(counts)
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()

@@ -28,6 +28,9 @@ runs these scenarios on them:
   tokens, as for old-policy and reference log-probs;
 - for every FSDP2 scenario, at each unshard (prefetches included) and each wait for one, how many decoder layers
   are gathered or being gathered, and how many hold unsharded parameters (`gathered`);
+- `nonfinite_raise`: the sharded exact step on `S` with a NaN advantage in rank 1's rows only (`on_nonfinite`
+  "raise"): every rank must raise FloatingPointError before back-propagating (none left waiting in a collective);
+  the messages are kept;
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, and the glm_moe_dsa sharded
   selection and latent attention against their references, in fp64; `PromptShards.broadcast_boundary` alone on
   records of mixed dtypes.
@@ -711,6 +714,22 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     with torch.no_grad():
         engine.score(*scored)
     results["state_bytes"]["unsharded"] = engine.stats.state_bytes
+    # A non-finite loss on rank 1 only: both ranks raise.
+    set_sharded(True)
+    trainer.args.on_nonfinite = "raise"
+    trainer.args.prompt_gradient = "exact"
+    poisoned = rows_of(batches["S"], rank)
+    if rank == 1:
+        poisoned["advantages"] = poisoned["advantages"].clone()
+        poisoned["advantages"][0] = float("nan")
+    start = len(log)
+    try:
+        trainer.training_step(ddp, poisoned, batches["S"]["num_items_in_batch"])
+        raised = None
+    except FloatingPointError as error:
+        raised = str(error)
+    nonfinite = (raised, log[start:])
+    trainer.model.zero_grad(set_to_none=True)
 
     # Gather what rank 1 saw: its logps, collective sequences and state sizes.
     everyone: list = [None] * world
@@ -724,6 +743,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["gathered"],
         batched_logps,
         results["mlp_tokens"],
+        nonfinite,
     )
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -736,6 +756,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["gathered"] = [e[6] for e in everyone]
         results["batched_logps"] = [e[7] for e in everyone]
         results["mlp_tokens"] = [e[8] for e in everyone]
+        results["nonfinite"] = [e[9] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

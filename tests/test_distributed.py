@@ -174,6 +174,18 @@ def test_sharded_logps_match(launch, reference):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_nonfinite_raise_is_agreed_across_ranks(launch):
+    """`on_nonfinite="raise"` with a non-finite loss on rank 1 only (a NaN advantage, sharded exact step): both ranks
+    raise before back-propagating, rank 0 naming the other process, rank 1 the loss, with the same collectives (one
+    agreement reduction after the scoring, and none of the backward's)."""
+    results = _results(launch)
+    (message0, calls0), (message1, calls1) = results["nonfinite"]
+    assert message0 is not None and "values on another process" in message0, message0
+    assert message1 is not None and "the loss (nan)" in message1, message1
+    assert calls0 == calls1 and calls0[-1][0] == "all_reduce", calls0[-3:]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_sharded_state_is_split(launch):
     """Of the 12 prefix tokens of the longest prompt in chunks of 5: the context-parallel rounds (every family) are
     chunks (5, 5) then (1, 1), so each rank holds 6 tokens' records.

@@ -307,6 +307,44 @@ def test_context_parallel_round_exchange_is_counted(preset_stats):
         assert chunk(mode=mode) - chunk(mode=mode, shard_prompt_state=False) == rows + EXCHANGE_ROWS * per_query
 
 
+def test_context_parallel_exchange_is_counted(preset_stats):
+    """A context-parallel round (Qwen3.6-27B: 24 query heads of 256, at W = 8 and chunks of 4096 in bf16) exchanges,
+    for one attention layer at a time, the W * chunk queries and fp32 partial outputs of the round: forward 2.8 GB,
+    backward (exact mode's reverse pass) 4.4 GB, counted in the chunk activations; an unsharded state has none, nor
+    has a DeltaNet head count that the group does not divide (replicated passes). GLM-5.2's rounds exchange MLA rows
+    instead (`round_row_elems`, tested with its own term)."""
+    _, stats = preset_stats["qwen3.6-27b"]
+    assert stats.context_parallel_heads == 16 and preset_stats["glm-5.2"][1].context_parallel_heads == -1
+    tokens, q, heads = 8 * 4096, 24 * 256, 24
+    forward = tokens * (q * 2 + 3 * (q + heads) * 4)  # gathered bf16 queries; fp32 parts computed, packed, received
+    backward = tokens * ((3 * q + heads) * 4 + q * 2 + 2 * q * 4)  # gathered q | dout | out | lse, q cast, dq shares
+    assert (round(forward / 1e9, 1), round(backward / 1e9, 1)) == (2.8, 4.4)
+    setup = Setup(positions=500_000, gpus=8, shard_prompt_state=True, prefill_chunk_size=4096)
+
+    def chunk(stats=stats, **changes):
+        return _item(estimate(stats, replace(setup, **changes)), "chunk activations")
+
+    assert chunk() - chunk(shard_prompt_state=False) == backward
+    assert chunk(mode="detached") - chunk(mode="detached", shard_prompt_state=False) == forward
+    assert chunk(gpus=6) == chunk(gpus=6, shard_prompt_state=False)  # 16 DeltaNet key heads over 6 ranks: replicated
+
+
+def test_attention_reuse_switch_is_counted(preset_stats):
+    """`reverse_attention_reuse=False` (`--no-attention-reuse`): the reverse pass keeps no attention outputs, so its
+    chunk activations drop by 16 full-attention layers x 24 heads x (256 bf16 + one fp32 log-sum-exp) per token, and
+    the longest prompt grows; the switch is suggested when the run does not fit."""
+    _, stats = preset_stats["qwen3.6-27b"]
+    setup = Setup(positions=500_000, gpus=8, shard_prompt_state=True, prefill_chunk_size=4096)
+    kept = _item(estimate(stats, setup), "chunk activations")
+    plain = _item(estimate(stats, replace(setup, attention_reuse=False)), "chunk activations")
+    assert stats.kept_attention == (16 * 24 * 256, 16 * 24)
+    assert kept - plain == 4096 * 16 * 24 * (256 * 2 + 4)
+    assert largest_positions(stats, replace(setup, attention_reuse=False)) > largest_positions(stats, setup)
+    detached = replace(setup, mode="detached")
+    without = replace(detached, attention_reuse=False)
+    assert estimate(stats, detached).to_allocate == estimate(stats, without).to_allocate
+
+
 def test_layer_by_layer_gather_without_sharded_state(preset_stats):
     """Without a sharded prompt state the ranks agree on equal pass counts (the data-parallel lockstep), so FSDP2
     gathers layer by layer, as with the state sharded over all GPUs: the root module and two layers, not GLM-5.2's

@@ -45,6 +45,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             the reverse pass) in host memory, pinned on CUDA, and bring each back one chunk ahead of the reverse pass
             on a side stream. Gradients are identical; device memory drops by one recurrent state per chunk (147 MiB
             per chunk on Qwen3.6-27B). Models without recurrent layers keep no boundaries and are unaffected.
+        reverse_attention_reuse (`bool`, *optional*, defaults to `True`):
+            Exact mode under gradient checkpointing: the reverse pass keeps each attention layer's output and
+            log-sum-exp from its forward, so that the checkpoint recompute takes them instead of attending (and, with
+            a sharded prompt state, exchanging) again. Bitwise the same gradients; costs one attention output and
+            log-sum-exp per attention layer and chunk token (0.76 GiB per GPU for Qwen3.6-27B at chunks of 4096,
+            `trl_longstraw.plan`). `False`: attend again, for the memory.
         expert_parallel_size (`int`, *optional*, defaults to `1`):
             MoE models (`glm_moe_dsa`, `qwen3_moe`): spread each MoE layer's experts over groups of this many ranks
             through transformers' expert parallelism (`DistributedConfig(ep_size=...)`, the model's
@@ -129,6 +135,14 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={
             "help": "Exact mode: keep the recurrent state at each prompt chunk boundary in (pinned) host memory until "
             "the reverse pass, prefetched one chunk ahead. Identical gradients, less device memory."
+        },
+    )
+    reverse_attention_reuse: bool = field(
+        default=True,
+        metadata={
+            "help": "Exact mode with gradient checkpointing: keep each attention layer's output for the reverse "
+            "pass's recompute instead of attending (and exchanging) again. Same gradients, faster; costs one "
+            "attention output per layer and chunk token. False: less memory."
         },
     )
     expert_parallel_size: int = field(

@@ -362,6 +362,9 @@ class Engine:
             `contextlib.nullcontext`.
         offload_boundaries: keep the exact-mode recurrent chunk boundaries in host memory between the prefill and
             the reverse pass (`offload.HostBoundaries`).
+        attention_reuse: under gradient checkpointing, the reverse pass's recompute takes each attention layer's
+            output kept by its forward instead of attending again (`Pass.attention_reuse`; same gradients, one
+            attention output per layer and chunk token of memory).
     """
 
     def __init__(
@@ -374,9 +377,11 @@ class Engine:
         shards=None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         offload_boundaries: bool = False,
+        attention_reuse: bool = True,
     ):
         self.model = model
         self.offload_boundaries = offload_boundaries
+        self.attention_reuse = attention_reuse
         self.autocast = autocast
         self.causal_lm = causal_lm
         self.adapter = adapter
@@ -604,7 +609,7 @@ class Engine:
                     start, end, cp = self._declare(c, bounds)
                     p = Pass(state, visible=c, shard=self.shards, cp=cp)
                     p.sink = {}
-                    checkpointed = self._backbone().is_gradient_checkpointing
+                    checkpointed = self._backbone().is_gradient_checkpointing and self.attention_reuse
                     # The recompute of each layer takes its attention's output instead of attending again.
                     with use_pass(p), torch.enable_grad(), p.keeping_attention(checkpointed):
                         with self.autocast():

@@ -283,6 +283,37 @@ def kept_attention(config) -> tuple[int, int]:
     return layers * query_exchange(config)[1], layers * config.num_attention_heads
 
 
+def context_parallel_heads(config) -> int:
+    """Whether the prompt passes of a sharded state are context-parallel rounds exchanging queries and partial
+    outputs (`sharding._ShardedPrefixAttention`, `context_parallel_exchange`): 0 for every shard group size
+    (KV-cache models), the Gated DeltaNet key heads that the group size must divide (`qwen3_5`, whose delta rule runs
+    head-parallel), -1 for none (`glm_moe_dsa`: its MLA + DSA rounds exchange rows instead, `round_row_elems`)."""
+    if config.model_type == "glm_moe_dsa":
+        return -1
+    if config.model_type in ("qwen3_5", "qwen3_5_text"):
+        return config.linear_num_key_heads
+    return 0
+
+
+def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute_bytes: int, autograd: bool) -> int:
+    """Transient bytes of one attention layer's exchange in a context-parallel round of `world` chunks of `chunk`
+    tokens (`sharding._ShardedPrefixAttention`), on each rank.
+
+    Forward: every rank's queries gathered (compute dtype), and the fp32 partial outputs and log-sum-exps of them
+    against this rank's chunks (computed, packed, received: three copies). Backward (`autograd`, the exact-mode
+    reverse pass; its forward's buffers are freed by then): every rank's queries, output gradients, outputs and
+    log-sum-exps gathered in fp32, the queries cast back, and the fp32 query-gradient shares (computed, exchanged).
+    """
+    queries, outputs = stats.query_exchange
+    heads = stats.attention_heads
+    tokens = world * chunk
+    forward = tokens * (queries * compute_bytes + 3 * (outputs + heads) * 4)
+    if not autograd:
+        return forward
+    backward = tokens * ((queries + 2 * outputs + heads) * 4 + queries * compute_bytes + 2 * queries * 4)
+    return max(forward, backward)
+
+
 # ------------------------------------------------------------------------------------------------------- model
 # Activation bytes of one layer, per token, as a multiple of the inputs and outputs of its matmuls (nn.Linear,
 # nn.Conv1d, and the `top_k` active experts of fused MoE weights) in the compute dtype, `(no grad, with autograd)`.
@@ -374,6 +405,7 @@ class ModelStats:
         model_type: the config's, for its activation multiples (`ACTIVATION_MULTIPLES`).
         attention_heads, head_dim: query heads and their width, for the score tiles of the portable attention path.
         index_heads, index_topk: the DSA indexer's heads and top-k (`glm_moe_dsa`), for its selection buffers.
+        context_parallel_heads: see `context_parallel_heads` (0: context-parallel prompt passes for any shard group).
         round_row_elems: per token, the record elements of one layer that a context-parallel round gathers from
             every rank (`glm_moe_dsa`: the MLA row and the index key, `glm_moe_dsa.round_rows`); 0 for others.
     """
@@ -403,6 +435,7 @@ class ModelStats:
     head_dim: int = 0
     index_heads: int = 0
     index_topk: int = 0
+    context_parallel_heads: int = 0
     round_row_elems: int = 0
 
 
@@ -508,6 +541,7 @@ def model_stats(
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         index_heads=getattr(config, "index_n_heads", 0) or 0,
         index_topk=getattr(config, "index_topk", 0) or 0,
+        context_parallel_heads=context_parallel_heads(config),
         round_row_elems=(
             config.kv_lora_rank + config.qk_rope_head_dim + config.index_head_dim
             if config.model_type == "glm_moe_dsa"
@@ -555,6 +589,8 @@ class Setup:
             optimizer state live in host memory, and the optimizer steps there.
         offload_boundary_states: exact mode: the recurrent chunk-boundary states wait in pinned host memory
             (`LongStrawGRPOConfig.offload_boundary_states`).
+        attention_reuse: exact mode under gradient checkpointing: the reverse pass keeps each attention layer's
+            output for the recompute (`LongStrawGRPOConfig.reverse_attention_reuse`).
         gpus_per_node: processes per node, for the host memory of a node.
         host_memory: host bytes per node for the offloaded items; None: not checked (the CLI's default is
             `default_host_memory`).
@@ -582,6 +618,7 @@ class Setup:
     ep_size: int = 0
     offload: bool = False
     offload_boundary_states: bool = False
+    attention_reuse: bool = True
     gpus_per_node: int = 8
     host_memory: int | None = None
     device: str = "cuda"
@@ -852,6 +889,13 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     if selection:
         tiles += selection
         scored += f" + {_size(selection)} of DSA top-k candidates"
+    heads = s.context_parallel_heads
+    if state_parts > 1 and (heads == 0 or (heads > 0 and heads % state_parts == 0)):
+        # Context-parallel prompt passes: each rank runs its own chunk of a round, and one attention layer at a
+        # time exchanges the round's queries and partial outputs.
+        exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
+        tiles += exchange
+        scored += f" + {_size(exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
     if state_parts > 1 and s.round_row_elems:
         # A context-parallel round of MLA + DSA: every rank's chunk rows (with their gradient in the reverse pass),
         # and the branch-round exchange of the prefix for one layer, in slices of gathered queries.
@@ -866,7 +910,8 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         )
     if exact:
         reverse_per_token = graph_per_token
-        if u.gradient_checkpointing:
+        kept = u.gradient_checkpointing and u.attention_reuse and any(s.kept_attention)
+        if kept:
             # Each attention layer's output and log-sum-exp, kept from the forward for the recompute.
             outputs, lses = s.kept_attention
             reverse_per_token += outputs * u.compute_bytes + lses * 4
@@ -875,11 +920,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
                 "chunk activations",
                 chunk * reverse_per_token + tiles,
                 f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
-                + (
-                    ", attention outputs kept for the recompute)"
-                    if u.gradient_checkpointing and any(s.kept_attention)
-                    else ")"
-                )
+                + (", attention outputs kept for the recompute)" if kept else ")")
                 + scored,
                 phase="activations",
             )
@@ -980,6 +1021,8 @@ def suggestions(budget: Budget, free_bytes: int | None = None) -> list[str]:
         changes["shard_prompt_state=True"] = {"shard_prompt_state": True}
     if u.mode == "exact" and s.state_fixed and not u.offload_boundary_states:
         changes["offload_boundary_states=True"] = {"offload_boundary_states": True}
+    if u.mode == "exact" and u.gradient_checkpointing and u.attention_reuse and any(s.kept_attention):
+        changes["reverse_attention_reuse=False (slower reverse pass)"] = {"attention_reuse": False}
     if not u.offload and u.fsdp and u.gpus > 1:
         changes["FSDP2 CPU offload of the weights, gradients and optimizer state"] = {"offload": True}
     if s.num_experts and not u.expert_parallel and u.gpus > 1 and s.num_experts % u.gpus == 0:
@@ -1190,6 +1233,7 @@ def recipe_defaults(recipe: Recipe) -> dict:
         "no_gradient_checkpointing": not t.gradient_checkpointing,
         "lora_rank": m.lora_r if m.use_peft else None,
         "offload_boundary_states": t.offload_boundary_states,
+        "no_attention_reuse": not getattr(t, "reverse_attention_reuse", True),
         # Expert parallelism and FSDP2's CPU offload, where the config has them (`expert_parallel_size`,
         # `fsdp_cpu_offload`); accelerate's own `fsdp_offload_params` lives in the accelerate config: pass --offload.
         "cpu_offload": bool(getattr(t, "fsdp_cpu_offload", False)),
@@ -1413,6 +1457,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node, for host memory; default 8")
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--no-attention-reuse",
+        action="store_true",
+        help="exact mode: the reverse pass attends again in each checkpoint recompute instead of keeping the "
+        "attention outputs (reverse_attention_reuse=False): less memory, slower",
+    )
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
     p.set_defaults(lora_targets=None, offload_boundary_states=False, cpu_offload=False)
     return p
@@ -1483,6 +1533,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         ep_size=args.ep_size,
         offload=args.offload or args.cpu_offload,
         offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
+        attention_reuse=not args.no_attention_reuse,
         gpus_per_node=args.gpus_per_node,
         host_memory=host_memory,
     )
