@@ -12,8 +12,8 @@ decoding forward runs the experts' all-to-alls, which need both ranks. Each rank
   left-padded; more EOS tokens on rank 0 (tokens its greedy completions draw early) make its rows finish steps
   before rank 1's. Records the decoding forwards, the filler steps and the collectives of each run;
 - one whole `train()` step in detached and exact mode without a sharded state (each rank one prompt, of 11 and 5
-  tokens), and in detached mode with it, counting per prompt position how often the policy's backbone embeds it, in
-  generation and in the whole step.
+  tokens), and with it in the GLM-5.2 config's shape (exact mode, LoRA, gradient checkpointing), counting per prompt
+  position how often the policy's backbone embeds it, in generation and in the whole step.
 
 Rank 0 writes every rank's results to `OUT`.
 """
@@ -61,11 +61,13 @@ def main(model_path: str, out_path: str) -> None:
     from datasets import Dataset
     from dist_worker import count_collectives
     from ep_worker import count_expert_exchanges
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     import trl_longstraw.generation as generation
     from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
     from trl_longstraw.generation import trim_after_eos
+    from trl_longstraw.trainer import _causal_lm
 
     def reward(completions, **kwargs):
         return [float(len(c)) + i % 3 for i, c in enumerate(completions)]
@@ -155,10 +157,18 @@ def main(model_path: str, out_path: str) -> None:
 
     # Whole train() steps, TRL's defaults otherwise (beta = 0, num_iterations = 1).
     steps = {}
-    runs = [("dp_detached", False, "detached"), ("dp_exact", False, "exact"), ("sharded", True, "detached")]
+    # The sharded run has the GLM-5.2 config's shape: exact mode, LoRA, non-reentrant gradient checkpointing.
+    lora = dict(
+        peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["o_proj"]),
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    runs = [("dp_detached", False, "detached", {}), ("dp_exact", False, "exact", {}), ("sharded", True, "exact", lora)]
     # Completions never hold a prompt token, so a prompt token at its position is always that prompt's.
     prompt_tokens = sorted({t for p in TRAIN_PROMPTS for t in tokenizer(text=p)["input_ids"]})
-    for name, sharded, mode in runs:
+    for name, sharded, mode, extra in runs:
+        extra = dict(extra)
+        peft_config = extra.pop("peft_config", None)
         prompts = TRAIN_PROMPTS[:1] if sharded else TRAIN_PROMPTS
         config = LongStrawGRPOConfig(
             output_dir=tempfile.mkdtemp(),
@@ -173,10 +183,12 @@ def main(model_path: str, out_path: str) -> None:
             max_steps=1,
             logging_steps=1,
             save_strategy="no",
+            **extra,
         )
-        step = LongStrawGRPOTrainer(model_path, reward, config, train_dataset=Dataset.from_dict({"prompt": prompts}))
+        dataset = Dataset.from_dict({"prompt": prompts})
+        step = LongStrawGRPOTrainer(model_path, reward, config, train_dataset=dataset, peft_config=peft_config)
         assert step._shared_generation and (step._prompt_shards is not None) == sharded
-        counter = PositionCounter(step.model.model)
+        counter = PositionCounter(_causal_lm(step.model).model)
         generate = step._generate_single_turn
         in_generation: dict = {}
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_pair import make_pair
+from grpo_pair import assert_grads_close, make_pair, position_reward
 from peft import LoraConfig
 from tolerances import SHARDED_GRAD_RTOL
-from transformers import TrainerCallback
+from transformers import TrainerCallback, set_seed
 
 # Seven tokens each, no token shared: positions 0..5 (prompt[:-1]) of each prompt are counted.
 PROMPTS = ["a b c d e f g", "h i j k l m n"]
@@ -251,3 +251,56 @@ def test_one_prefill_per_step_with_a_sharded_prompt_state(tiny_model_path, tmp_p
             for n in want:
                 err = ((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item()
                 assert err <= SHARDED_GRAD_RTOL, f"step {step + 1}, {n}: {err}"
+
+
+class GradsBeforeStep(TrainerCallback):
+    """Records every parameter's gradient before each optimizer step, and the completions of each generation; with
+    `feed`, generation runs (and offers its prompt states) but the completions of the `i`-th are `feed[i]`."""
+
+    def __init__(self, trainer, feed: list | None = None):
+        self.trainer, self.grads, self.completions = trainer, [], []
+        generate = trainer._generate_single_turn
+
+        def recording(*args, **kwargs):
+            completions, logprobs = generate(*args, **kwargs)
+            if feed is not None:
+                completions = feed[len(self.completions)]
+            self.completions.append(completions)
+            return completions, logprobs
+
+        trainer._generate_single_turn = recording
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        named = self.trainer.model.named_parameters()
+        self.grads.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", DECODING_FAMILIES)
+def test_left_padded_offers_give_stocks_gradient(tiny_model_path, family):
+    """Exact mode, TRL's defaults, prompts of 7 and 4 tokens in one generation batch: generation prefills the padded
+    prompt at the loss pass's positions and the loss pass takes both prompts' states; each step's gradient equals
+    stock `GRPOTrainer`'s. Stock samples the whole batch at once and ours prompt by prompt, so ours' generation runs
+    (and offers) but its completions are replaced by stock's, as in tests/test_matrix.py (a prompt's state does not
+    depend on them)."""
+    prompts = ["a b c d e f g", "h i j k"]
+    stock, ours = make_pair(
+        tiny_model_path(family),
+        longstraw={"prompt_gradient": "exact", "prefill_chunk_size": 4},
+        reward=position_reward,
+        **settings(prompts=prompts, beta=0.0, num_iterations=1),
+    )
+    records = {"stock": GradsBeforeStep(stock)}
+    records["ours"] = GradsBeforeStep(ours, feed=records["stock"].completions)
+    for name, trainer in (("stock", stock), ("ours", ours)):
+        trainer.add_callback(records[name])
+        set_seed(0)
+        trainer.train()
+    assert len({len(c) for c in records["stock"].completions[0]}) > 1, "ragged completions"
+    assert len(records["ours"].grads) == len(records["stock"].grads) == 2
+    for ref, got in zip(records["stock"].grads, records["ours"].grads, strict=True):
+        assert sum(g.norm() ** 2 for g in ref.values()) ** 0.5 > 1e-4, "every step should train"
+        assert_grads_close(ref, got)
+    logs = [entry for entry in ours.state.log_history if "loss" in entry]
+    assert all(entry["longstraw/prompt_positions"] == 0 for entry in logs), "the loss pass should take every state"
+    assert all(entry["longstraw/prompt_positions_reused"] > 0 for entry in logs)

@@ -8,7 +8,9 @@ reads every prompt record (batch 1, broadcast over the rows) and then the rows' 
 Sampling itself stays transformers': `generate` builds the logits processors and stopping criteria from the
 trainer's `GenerationConfig` and calls `shared_prompt_decoder(...)` in place of its `_sample` loop, which this
 module mirrors step for step (processors on the padded rows, multinomial or argmax, pad after EOS, stop criteria).
-Positions follow `generate`: the first real prompt token is at position 0 whatever the padding.
+Positions follow `generate`: the first real prompt token is at position 0 whatever the padding; except that a prompt
+whose state is offered to the loss pass (training) starts where the loss pass places it, after its left padding
+(`shared_prompt_decoder`'s `offset`).
 
 Several processes decode in *lockstep* where a forward issues collectives that need every rank: FSDP2's per-layer
 all-gathers and, under expert parallelism (`expert_parallel`), the experts' all-to-alls inside every MoE layer. With
