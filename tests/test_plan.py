@@ -570,7 +570,7 @@ def test_cli_reads_a_recipe_and_flags_override_it(capsys):
     config = str(REPO / "recipes/configs/qwen3.6-27b_8xh20_2.1m_detached.yaml")
     assert plan.main(["--config", config, "--gpus", "8", "--gpu-memory", "96GB"]) == 0
     out = capsys.readouterr().out
-    assert "run: 2,100,000 prompt positions, detached mode, 8 x 1,024-token completions, prefill chunk 8,192" in out
+    assert "run: 2,100,000 prompt positions, detached mode, 8 x 1,024-token completions, prefill chunk 4,096" in out
     assert "prompt state sharded over groups of 8 GPUs" in out and "verdict: FITS" in out
     # The recipe's YaRN (factor 8.25 from model_init_kwargs), not the planner's own choice (9).
     assert "scaled (yarn factor 8.25) to 2,162,688 for 2,101,024 positions" in out

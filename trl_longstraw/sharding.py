@@ -681,6 +681,10 @@ def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
             query, key, value, p.prompt_records(layer_idx), p.tail.records(layer_idx), scale, p.shard
         )
     else:
-        out = sharded_prefix_attention(query, key, value, records, scale, p.shard, p.attention_reuse(layer_idx))
+        # The prompt's own passes (a context-parallel round, a replicated chunk) keep their attention for the
+        # reverse pass's recompute; branch rounds do not (their lengths are declared anew by every round).
+        own_pass = p.shard.in_round or p.shard.same_queries
+        reuse = p.attention_reuse(layer_idx) if own_pass else None
+        out = sharded_prefix_attention(query, key, value, records, scale, p.shard, reuse)
     p.emit(layer_idx, (key, value), sharded=True)
     return out
