@@ -43,6 +43,7 @@ import bench_step  # noqa: E402
 from bench_step import GIB, MMAP_THRESHOLD, ROOT, PeakRSS, _emit, _rss, _status_kib, fmt_bytes, ok  # noqa: E402
 
 IMPLS = ("limit", "exact", "detached", "stock_best", "stock")
+OURS = ("exact", "detached")
 # The issue's targets: (ours, against, key, at most this ratio).
 TARGETS = (
     ("detached", "limit", "cpu_s", 1.3),
@@ -145,11 +146,18 @@ def stock_best_worker(args) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------- driver
-def run_config(args, model_path: str, impl: str, completions: str) -> dict:
+def split_label(label: str, chunk: int) -> tuple[str, int]:
+    """`exact@1024` -> ("exact", 1024): ours at another prefill_chunk_size than `--chunk`; a plain name keeps it."""
+    impl, _, other = label.partition("@")
+    return impl, int(other) if other else chunk
+
+
+def run_config(args, model_path: str, label: str, completions: str) -> dict:
     """One configuration in a fresh process; its record (status ok / OOM / timeout / error)."""
+    impl, chunk = split_label(label, args.chunk)
     script = HERE / ("bench_limit.py" if impl in ("limit", "stock_best") else "bench_step.py")
     cmd = [sys.executable, str(script), "--worker", f"--family={args.family}", f"--impl={impl}", f"--P={args.P}"]
-    cmd += [f"--G={args.G}", f"--C={args.C}", f"--chunk={args.chunk}", f"--completions={completions}"]
+    cmd += [f"--G={args.G}", f"--C={args.C}", f"--chunk={chunk}", f"--completions={completions}"]
     cmd += [f"--dtype={args.dtype}", f"--threads={args.threads}", f"--model-path={model_path}"]
     cmd += [f"--mem-limit-gib={args.mem_limit_gib}"]
     env = {
@@ -158,7 +166,9 @@ def run_config(args, model_path: str, impl: str, completions: str) -> dict:
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    record = dict(family=args.family, impl=impl, P=args.P, G=args.G, C=args.C, completions=completions)
+    record = dict(family=args.family, impl=label, P=args.P, G=args.G, C=args.C, completions=completions)
+    if impl in OURS:
+        record["chunk"] = chunk
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
@@ -167,22 +177,38 @@ def run_config(args, model_path: str, impl: str, completions: str) -> dict:
     else:
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if lines:
-            record = {**json.loads(lines[-1][len("RESULT ") :]), "impl": impl, "completions": completions}
+            record = {**json.loads(lines[-1][len("RESULT ") :]), "impl": label, "completions": completions}
         elif proc.returncode in (-9, 137):
             record.update(status="OOM", note="killed (SIGKILL)")
         else:
             record.update(status="error", note=(proc.stderr.strip().splitlines() or ["?"])[-1][:300])
     record["wall_s"] = time.perf_counter() - t0
-    print(f"  {impl:<10} {completions:<6} {cell(record)}", flush=True)
+    print(f"  {label:<13} {completions:<6} {cell(record)}", flush=True)
     return record
 
 
+def labels(args) -> list[str]:
+    """The implementations run, in report order; ours also at each `--more-chunks` size (`exact@1024`)."""
+    out = []
+    for impl in IMPLS:
+        if impl not in args.skip:
+            out.append(impl)
+            out += [f"{impl}@{c}" for c in args.more_chunks if impl in OURS and f"{impl}@{c}" not in args.skip]
+    return out
+
+
 def plan(args) -> list[tuple[str, str]]:
-    """(impl, completions) in run order: the limit once (it has no completions), then per completion kind ours
-    before stock's, cheapest first."""
-    impls = [i for i in IMPLS if i not in args.skip]
+    """(label, completions) in report order: the limit once (it has no completions), then per completion kind ours
+    before stock's, cheapest first. `run_order` starts the slowest first."""
+    impls = labels(args)
     out = [("limit", "none")] if "limit" in impls else []
     return out + [(i, c) for c in args.completions for i in impls if i != "limit"]
+
+
+def run_order(todo: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Stock's best setting first (by far the slowest), stock's default last (it fails at once or runs as long),
+    ours and the limit in report order between, so that a run of several jobs at once ends soonest."""
+    return sorted(todo, key=lambda key: {"stock_best": 0, "stock": 2}.get(key[0], 1))
 
 
 def cell(r: dict | None) -> str:
@@ -209,30 +235,46 @@ def table(records: dict, completions: str) -> list[str]:
     lim = records.get(("limit", "none"))
     best = records.get(("stock_best", completions))
     rows = [
-        "| implementation | peak RSS (+ step growth) / CPU time (wall) | time / limit | growth / stock best | "
-        "time / stock best |",
-        "|---|---|---:|---:|---:|",
+        "| implementation | chunk | peak RSS (+ step growth) / CPU time (wall) | time / limit | growth / stock best "
+        "| time / stock best |",
+        "|---|---:|---|---:|---:|---:|",
     ]
-    for impl in IMPLS:
-        key = ("limit", "none") if impl == "limit" else (impl, completions)
+    for label in [impl for impl in IMPLS if impl not in OURS] + sorted(
+        {k[0] for k in records if k[0].partition("@")[0] in OURS}, key=lambda x: (x.partition("@")[0] != "exact", x)
+    ):
+        key = ("limit", "none") if label == "limit" else (label, completions)
         if key not in records:
             continue
         r = records[key]
         rows.append(
-            f"| {impl} | {cell(r)} | {fmt_ratio(fraction(r, lim, 'cpu_s'))} | "
-            f"{fmt_ratio(fraction(r, best, 'growth_bytes'))} | {fmt_ratio(fraction(r, best, 'cpu_s'))} |"
+            f"| {label.partition('@')[0]} | {r.get('chunk', '')} | {cell(r)} | {fmt_ratio(fraction(r, lim, 'cpu_s'))} "
+            f"| {fmt_ratio(fraction(r, best, 'growth_bytes'))} | {fmt_ratio(fraction(r, best, 'cpu_s'))} |"
         )
+    rows[2:] = sorted(rows[2:], key=lambda row: IMPLS.index(row.split(" | ")[0][2:]))
     return rows
 
 
 def verdicts(records: dict, completions: str) -> list[str]:
+    """The issue's targets for ours at `--chunk`, then at each other chunk size measured."""
+    lines = []
+    others = sorted({k[0].partition("@")[2] for k in records if "@" in k[0]}, key=int)
+    for suffix in ["", *others]:
+        lines += _verdicts(records, completions, suffix)
+    return lines
+
+
+def _verdicts(records: dict, completions: str, suffix: str) -> list[str]:
     lines = []
     for ours, other, key, goal in TARGETS:
-        r = records.get((ours, completions))
+        label = f"{ours}@{suffix}" if suffix else ours
+        if suffix and (label, completions) not in records:
+            continue
+        r = records.get((label, completions))
         o = records.get((other, "none" if other == "limit" else completions))
         x = fraction(r, o, key)
         what = "time" if key == "cpu_s" else "step growth"
-        name = f"{ours} {what} / {other.replace('_', ' ')} {what}"
+        at = f" (chunk {suffix})" if suffix else ""
+        name = f"{ours}{at} {what} / {other.replace('_', ' ')} {what}"
         if x is None:
             lines.append(f"- {name}: not measured (a configuration did not finish); target <= {goal:.3g}")
         else:
@@ -242,6 +284,7 @@ def verdicts(records: dict, completions: str) -> list[str]:
 
 def report(args, raw: dict, records: dict) -> list[str]:
     lengths = {c: bench_step.completion_lengths(args.G, args.C, c) for c in args.completions}
+    chunks = ", ".join(str(c) for c in [args.chunk, *args.more_chunks])
     md = [
         "# One GRPO step against the limit and against stock's best memory setting",
         "",
@@ -254,7 +297,8 @@ def report(args, raw: dict, records: dict) -> list[str]:
         f"{args.jobs} configuration(s) at a time",
         f"- work: tiny {args.family}, one prompt of P={args.P} tokens, G={args.G} completions of at most C={args.C} "
         f"tokens ({'; '.join(f'{c}: {v}' for c, v in lengths.items())}); {args.dtype}; gradient checkpointing on "
-        f"(non-reentrant); ours with prefill_chunk_size {args.chunk}; a fresh process per configuration, a "
+        f"(non-reentrant); ours with prefill_chunk_size {chunks} (the chunk column); a fresh process per "
+        f"configuration, a "
         f"timeout of {args.timeout:.0f} s wall and a stop at {args.mem_limit_gib:g} GiB growth (OOM)",
         "- limit: one no-grad forward of the prompt alone (logits of its last token only); stock_best: "
         "per_device_train_batch_size=1, gradient accumulation over the G rows (G training_step calls, measured "
@@ -290,8 +334,9 @@ def main(argv=None):
     parser.add_argument("--G", type=int, default=8, help="completions per prompt")
     parser.add_argument("--C", type=int, default=128, help="completion tokens at most")
     parser.add_argument("--completions", default="ragged,full", help="comma-separated subset of ragged,full")
-    parser.add_argument("--skip", default="", help="comma-separated implementations not to run")
+    parser.add_argument("--skip", default="", help="comma-separated implementations not to run (`detached@1024`)")
     parser.add_argument("--chunk", type=int, default=4096, help="prefill_chunk_size of ours (library default)")
+    parser.add_argument("--more-chunks", default="", help="comma-separated other prefill_chunk_size values of ours")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per configuration")
     parser.add_argument("--jobs", type=int, default=2, help="configurations run at once")
@@ -310,6 +355,7 @@ def main(argv=None):
 
     args.completions = [c for c in args.completions.split(",") if c]
     args.skip = [s for s in args.skip.split(",") if s]
+    args.more_chunks = [int(c) for c in args.more_chunks.split(",") if c]
     command = " ".join(["python benchmarks/bench_limit.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     date = f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
     raw = dict(command=command, date=date, hardware=bench_step.hardware(), versions=bench_step.versions())
@@ -322,7 +368,7 @@ def main(argv=None):
     started = time.perf_counter()
     write(args, {**raw, "status": "running"}, records, out)
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(run_config, args, model_path, i, c): (i, c) for i, c in todo}
+        futures = {pool.submit(run_config, args, model_path, i, c): (i, c) for i, c in run_order(todo)}
         for future in concurrent.futures.as_completed(futures):
             records[futures[future]] = future.result()
             done = f"{len(records)} of {len(todo)} configurations after {(time.perf_counter() - started) / 60:.1f} min"

@@ -226,7 +226,7 @@ def test_prediction_step_evaluates(tiny_model_path):
 def test_reverse_pass_reuses_attention_in_checkpoint_recompute(tiny_model_path, family, monkeypatch):
     """Exact mode under gradient checkpointing: the reverse pass's recompute takes each attention layer's kept output
     instead of attending again; the loss and every gradient are bitwise those of recomputing it, with fewer fused
-    attention forwards."""
+    attention forwards. `reverse_attention_reuse=False` turns it off for the reverse pass, with the same result."""
     from trl_longstraw import attention, engine
 
     path = tiny_model_path(family)
@@ -244,3 +244,15 @@ def test_reverse_pass_reuses_attention_in_checkpoint_recompute(tiny_model_path, 
     assert 0 < reused < len(calls)
     assert losses == ref_losses
     assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+    # reverse_attention_reuse=False: the reverse pass attends again in its recompute (the branches still reuse).
+    recomputed = len(calls)
+    calls.clear()
+    ours.args.reverse_attention_reuse = False
+    ours._engines.clear()
+    try:
+        off_losses, off_grads = run_steps(ours, [mb])
+    finally:
+        ours.args.reverse_attention_reuse = True
+        ours._engines.clear()
+    assert reused < len(calls) <= recomputed
+    assert off_losses == losses and all(torch.equal(off_grads[n], grads[n]) for n in grads)

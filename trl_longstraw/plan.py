@@ -283,6 +283,37 @@ def kept_attention(config) -> tuple[int, int]:
     return layers * query_exchange(config)[1], layers * config.num_attention_heads
 
 
+def context_parallel_heads(config) -> int:
+    """Whether the prompt passes of a sharded state are context-parallel rounds exchanging queries and partial
+    outputs (`sharding._ShardedPrefixAttention`, `context_parallel_exchange`): 0 for every shard group size
+    (KV-cache models), the Gated DeltaNet key heads that the group size must divide (`qwen3_5`, whose delta rule runs
+    head-parallel), -1 for none (`glm_moe_dsa`: its MLA + DSA rounds exchange rows instead, `round_row_elems`)."""
+    if config.model_type == "glm_moe_dsa":
+        return -1
+    if config.model_type in ("qwen3_5", "qwen3_5_text"):
+        return config.linear_num_key_heads
+    return 0
+
+
+def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute_bytes: int, autograd: bool) -> int:
+    """Transient bytes of one attention layer's exchange in a context-parallel round of `world` chunks of `chunk`
+    tokens (`sharding._ShardedPrefixAttention`), on each rank.
+
+    Forward: every rank's queries gathered (compute dtype), and the fp32 partial outputs and log-sum-exps of them
+    against this rank's chunks (computed, packed, received: three copies). Backward (`autograd`, the exact-mode
+    reverse pass; its forward's buffers are freed by then): every rank's queries, output gradients, outputs and
+    log-sum-exps gathered in fp32, the queries cast back, and the fp32 query-gradient shares (computed, exchanged).
+    """
+    queries, outputs = stats.query_exchange
+    heads = stats.attention_heads
+    tokens = world * chunk
+    forward = tokens * (queries * compute_bytes + 3 * (outputs + heads) * 4)
+    if not autograd:
+        return forward
+    backward = tokens * ((queries + 2 * outputs + heads) * 4 + queries * compute_bytes + 2 * queries * 4)
+    return max(forward, backward)
+
+
 # ------------------------------------------------------------------------------------------------------- model
 # Activation bytes of one layer, per token, as a multiple of the inputs and outputs of its matmuls (nn.Linear,
 # nn.Conv1d, and the `top_k` active experts of fused MoE weights) in the compute dtype, `(no grad, with autograd)`.
@@ -382,6 +413,16 @@ def prefill_bytes(stats: ModelStats, compute_bytes: int) -> int | None:
     return residual + transient
 
 
+def exchange_rows(stats: ModelStats, rows: int) -> int:
+    """Query rows of every rank that one attention layer gathers at once when a round of the sharded prompt state
+    exchanges `rows` in all: `glm_moe_dsa` slices its exchanges (`glm_moe_dsa.EXCHANGE_ROWS`), the others do not."""
+    if stats.model_type != "glm_moe_dsa":
+        return rows
+    from .glm_moe_dsa import EXCHANGE_ROWS
+
+    return min(rows, EXCHANGE_ROWS)
+
+
 def activation_multiples(model_type: str) -> tuple[float, float]:
     """`(no grad, with autograd)` activation multiples of a model type (see `ACTIVATION_MULTIPLES`)."""
     return ACTIVATION_MULTIPLES.get(model_type, ACTIVATION_MULTIPLES["llama"])
@@ -421,6 +462,9 @@ class ModelStats:
         intermediate_size: the widest MLP intermediate of a layer (the dense MLP's, or the shared and routed
             experts' of a token), for the no-grad prefill's transients (`prefill_bytes`).
         delta_rule: Gated DeltaNet's `(value heads, key head dim, value head dim, conv channels)` (qwen3_5), else 0s.
+        context_parallel_heads: see `context_parallel_heads` (0: context-parallel prompt passes for any shard group).
+        round_row_elems: per token, the record elements of one layer that a context-parallel round gathers from
+            every rank (`glm_moe_dsa`: the MLA row and the index key, `glm_moe_dsa.round_rows`); 0 for others.
     """
 
     total_params: int
@@ -451,6 +495,8 @@ class ModelStats:
     head_trainable: int = 0
     intermediate_size: int = 0
     delta_rule: tuple[int, int, int, int] = (0, 0, 0, 0)
+    context_parallel_heads: int = 0
+    round_row_elems: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -559,6 +605,12 @@ def model_stats(
         head_trainable=head.weight.numel() if head is not None and not lora_rank and head.weight.requires_grad else 0,
         intermediate_size=getattr(config, "intermediate_size", 0) or 0,
         delta_rule=_delta_rule_dims(config),
+        context_parallel_heads=context_parallel_heads(config),
+        round_row_elems=(
+            config.kv_lora_rank + config.qk_rope_head_dim + config.index_head_dim
+            if config.model_type == "glm_moe_dsa"
+            else 0
+        ),
     )
 
 
@@ -593,8 +645,8 @@ class Setup:
         gpus: processes (one GPU each).
         gpu_memory: bytes per GPU (default 80 GB).
         shard_prompt_state: the prompt state and its gradient are split over the GPUs of a shard group.
-        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2, one group of
-            all GPUs (or no sharded state) lets FSDP2 gather layer by layer; smaller groups gather the whole model.
+        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2 every setup
+            gathers layer by layer (smaller groups pad their passes to the world's, as the ranks do unsharded).
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
@@ -609,6 +661,8 @@ class Setup:
             optimizer state live in host memory, and the optimizer steps there.
         offload_boundary_states: exact mode: the recurrent chunk-boundary states wait in pinned host memory
             (`LongStrawGRPOConfig.offload_boundary_states`).
+        attention_reuse: exact mode under gradient checkpointing: the reverse pass keeps each attention layer's
+            output for the recompute (`LongStrawGRPOConfig.reverse_attention_reuse`).
         gpus_per_node: processes per node, for the host memory of a node.
         host_memory: host bytes per node for the offloaded items; None: not checked (the CLI's default is
             `default_host_memory`).
@@ -636,6 +690,7 @@ class Setup:
     ep_size: int = 0
     offload: bool = False
     offload_boundary_states: bool = False
+    attention_reuse: bool = True
     gpus_per_node: int = 8
     host_memory: int | None = None
     device: str = "cuda"
@@ -785,11 +840,11 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             on_gpu, detail = fsdp[name] + local[name], details[name]
         items.append(Item(name, on_gpu, detail, resident=name == "weights"))
     state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
-    if shards > 1 and (not u.shard_prompt_state or state_parts == u.gpus):
-        # Lockstep passes (the sharded state's over all GPUs, or the data-parallel one: equal pass counts per rank):
-        # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the root's own
-        # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass. Routed
-        # experts under expert parallelism are never gathered.
+    if shards > 1:
+        # Lockstep passes (the sharded state's over all GPUs, or equal pass counts per rank over the world, without a
+        # sharded state or with smaller shard groups): FSDP2 gathers and frees layer by layer
+        # (distributed.fsdp2_gathered); the root's own parameters stay gathered, its gradient accumulates unreduced
+        # until the micro-batch's sync pass. Routed experts under expert parallelism are never gathered.
         layer, layer_trainable = s.largest_layer_params, s.largest_layer_trainable
         if u.expert_parallel:
             # With EP groups smaller than the GPUs, FSDP2 gathers a layer's local experts over their replicas.
@@ -810,19 +865,6 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             staged = share(2 * layer * u.trainable_weight_bytes + layer_trainable * u.grad_bytes, shards)
             detail += f" + {_size(staged)} of shards staged from and to the host"
         items.append(Item("FSDP all-gathered", gathered * u.compute_bytes + staged, detail))
-    elif shards > 1:
-        # Shard groups smaller than the GPUs run different passes, so the engine gathers the whole model once per call
-        # and reduces the gradient once per micro-batch (docs/distributed.md).
-        whole = s.total_params - moved + s.trainable_params - moved_trainable
-        items.append(
-            Item(
-                "FSDP all-gathered",
-                whole * u.compute_bytes,
-                "whole model + its unreduced gradient, gathered once per engine call (shard groups smaller than the "
-                f"GPUs run different passes), {u.compute_bytes} B each"
-                + (", routed experts excluded" if moved else ""),
-            )
-        )
     tokens = state_tokens(u.positions)
     chunks = -(-tokens // u.prefill_chunk_size)
     # Per-token records (attention K/V, MLA latents) are split over the shard group. The fixed recurrent records
@@ -896,9 +938,12 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # A branch round gathers every rank's queries for one attention layer at a time, and returns fp32 partial
         # outputs (computed, sent, received: three copies).
         queries, outputs = s.query_exchange
-        exchange = state_parts * u.completion_length * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
+        rows = exchange_rows(s, state_parts * u.completion_length)
+        exchange = rows * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
         branch += exchange
         detail += f" + {_size(exchange)} exchanged by one attention layer across the {state_parts} ranks' branches"
+        if rows < state_parts * u.completion_length:
+            detail += f" ({rows:,} queries at a time)"
     # One branch at a time (see `Setup.group_size`): its completion's tokens are the queries.
     tiles = score_tiles(s, u.compute_bytes, u.completion_length, autograd=True, device=u.device)
     if tiles:
@@ -920,9 +965,29 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     if selection:
         tiles += selection
         scored += f" + {_size(selection)} of DSA top-k candidates"
+    heads = s.context_parallel_heads
+    if state_parts > 1 and (heads == 0 or (heads > 0 and heads % state_parts == 0)):
+        # Context-parallel prompt passes: each rank runs its own chunk of a round, and one attention layer at a
+        # time exchanges the round's queries and partial outputs.
+        exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
+        tiles += exchange
+        scored += f" + {_size(exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
+    if state_parts > 1 and s.round_row_elems:
+        # A context-parallel round of MLA + DSA: every rank's chunk rows (with their gradient in the reverse pass),
+        # and the branch-round exchange of the prefix for one layer, in slices of gathered queries.
+        queries, outputs = s.query_exchange
+        rows = exchange_rows(s, state_parts * chunk)
+        gathered = state_parts * chunk * s.round_row_elems * u.compute_bytes * (2 if exact else 1)
+        exchange = gathered + rows * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
+        tiles += exchange
+        scored += (
+            f" + {_size(exchange)} exchanged by one attention layer across the {state_parts} ranks' chunks of a "
+            f"context-parallel round ({rows:,} queries at a time, and the round's rows)"
+        )
     if exact:
         reverse_per_token = graph_per_token
-        if u.gradient_checkpointing:
+        kept = u.gradient_checkpointing and u.attention_reuse and any(s.kept_attention)
+        if kept:
             # Each attention layer's output and log-sum-exp, kept from the forward for the recompute.
             outputs, lses = s.kept_attention
             reverse_per_token += outputs * u.compute_bytes + lses * 4
@@ -931,11 +996,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
                 "chunk activations",
                 chunk * reverse_per_token + tiles,
                 f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
-                + (
-                    ", attention outputs kept for the recompute)"
-                    if u.gradient_checkpointing and any(s.kept_attention)
-                    else ")"
-                )
+                + (", attention outputs kept for the recompute)" if kept else ")")
                 + scored,
                 phase="activations",
             )
@@ -1038,6 +1099,8 @@ def suggestions(budget: Budget, free_bytes: int | None = None) -> list[str]:
         changes["shard_prompt_state=True"] = {"shard_prompt_state": True}
     if u.mode == "exact" and s.state_fixed and not u.offload_boundary_states:
         changes["offload_boundary_states=True"] = {"offload_boundary_states": True}
+    if u.mode == "exact" and u.gradient_checkpointing and u.attention_reuse and any(s.kept_attention):
+        changes["reverse_attention_reuse=False (slower reverse pass)"] = {"attention_reuse": False}
     if not u.offload and u.fsdp and u.gpus > 1:
         changes["FSDP2 CPU offload of the weights, gradients and optimizer state"] = {"offload": True}
     if s.num_experts and not u.expert_parallel and u.gpus > 1 and s.num_experts % u.gpus == 0:
@@ -1248,6 +1311,7 @@ def recipe_defaults(recipe: Recipe) -> dict:
         "no_gradient_checkpointing": not t.gradient_checkpointing,
         "lora_rank": m.lora_r if m.use_peft else None,
         "offload_boundary_states": t.offload_boundary_states,
+        "no_attention_reuse": not getattr(t, "reverse_attention_reuse", True),
         # Expert parallelism and FSDP2's CPU offload, where the config has them (`expert_parallel_size`,
         # `fsdp_cpu_offload`); accelerate's own `fsdp_offload_params` lives in the accelerate config: pass --offload.
         "cpu_offload": bool(getattr(t, "fsdp_cpu_offload", False)),
@@ -1471,6 +1535,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node, for host memory; default 8")
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--no-attention-reuse",
+        action="store_true",
+        help="exact mode: the reverse pass attends again in each checkpoint recompute instead of keeping the "
+        "attention outputs (reverse_attention_reuse=False): less memory, slower",
+    )
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
     p.set_defaults(lora_targets=None, offload_boundary_states=False, cpu_offload=False)
     return p
@@ -1541,6 +1611,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         ep_size=args.ep_size,
         offload=args.offload or args.cpu_offload,
         offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
+        attention_reuse=not args.no_attention_reuse,
         gpus_per_node=args.gpus_per_node,
         host_memory=host_memory,
     )
