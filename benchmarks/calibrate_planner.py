@@ -11,10 +11,15 @@ measured peak is `torch.cuda.max_memory_allocated`.
 
 CPU: a tiny model of each family, in a fresh process each (fp32, gradient checkpointing, after a one-chunk warm-up
 that allocates the parameter gradients): the engine's no-grad prefill of a prompt, then its exact-mode reverse pass
-(the records' gradients set as the branches leave them). The measured figure is each phase's peak resident-set growth
-(VmRSS sampled every 0.2 ms by a thread; glibc returns large blocks at once, `MALLOC_MMAP_THRESHOLD_`, so freed
-tensors leave the resident set) above the resident set after the warm-up, against the planner's prompt state, its
-gradient (exact mode) and chunk activations: detached mode's for the prefill, exact mode's for the reverse pass.
+(the records' gradients set as the branches leave them). The measured figure is each phase's peak of the bytes
+allocated through PyTorch's CPU allocator (the profiler's allocation events, as `max_memory_allocated` on CUDA), the
+reverse's with the state and its gradients it starts with; beside it the resident set's peak growth (VmRSS sampled
+every 0.2 ms; glibc returns large blocks at once, `MALLOC_MMAP_THRESHOLD_`) and their difference, the allocator's
+fragmentation (negative where allocated pages are never touched). The planner's items: prompt state, its gradient
+(exact mode) and chunk activations, detached mode's for the prefill, exact mode's for the reverse pass. The prefill's
+tensor counts (`plan.prefill_bytes`) were read off `--trace` of the first widths (`CPU_WIDTHS`); the `CPU_HELD_OUT`
+cases were measured after. The measurements are stored in `calibration_cpu.json`; `--stored` rebuilds the tables from
+it.
 
 Target (issue 14): every prediction within 10% of the measured peak, and never more than 5% below it.
 """
@@ -75,8 +80,36 @@ CPU_WIDTHS = {
     ),
 }
 CPU_STEP = dict(P=12288, chunk=4096)
+# Held out: other widths, a chunk that does not divide the prompt, odd lengths. The prefill's tensor counts
+# (`plan.PREFILL_RESIDUAL_TENSORS`, ...) were read off the allocation traces of the `CPU_WIDTHS` cases; these cases
+# were not looked at before the counts were set.
+CPU_HELD_OUT = {
+    "llama": dict(
+        hidden_size=192,
+        intermediate_size=1024,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=32,
+    ),
+    "qwen3_5": dict(
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=32,
+        linear_value_head_dim=48,
+    ),
+}
+CPU_HELD_OUT_STEP = dict(P=7001, chunk=3000)
 # What the prefill and the reverse pass hold beyond the weights and gradients, in the planner's terms.
 PHASE_ITEMS = ("prompt state", "prompt state gradient", "chunk activations")
+CPU_JSON = HERE / "calibration_cpu.json"
 
 
 # ------------------------------------------------------------------------------------------------------- planner
@@ -143,8 +176,14 @@ def gpu_rows() -> tuple[list[dict], dict[tuple[str, str], list[float]]]:
         budget = predict(config, r["P"], r["G"], r["C"], r["chunk"], r["mode"], 2)
         items = step_items(budget)
         case = f"{r['model']} {r['mode']} P={r['P']:,} G={r['G']}"
-        rows.append(dict(case=case, measured=r["peak_gib"] * GIB, **items))
+        row = dict(case=case, measured=r["peak_gib"] * GIB, **items)
+        if "reserved_peak_gib" in r:  # the GPU check records it since 2026-12-02 (none of the stored runs has it)
+            row["rss"] = r["reserved_peak_gib"] * GIB
+        rows.append(row)
         s = budget.stats
+        peak_phase = max((i for i in budget.items if i.phase), key=lambda i: i.nbytes).name
+        if peak_phase != "chunk activations" or (r["mode"] == "detached" and plan.prefill_bytes(s, 2) is not None):
+            continue  # the peak is another phase's, or the prefill is itemized (`plan.prefill_bytes`): no multiple
         held = sum(v for k, v in items.items() if k not in ("chunk activations", "branch graph"))
         beyond = r["peak_gib"] * GIB - held
         if r["mode"] == "exact":
@@ -164,10 +203,91 @@ def _status(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def cpu_case(family: str) -> list[dict]:
-    """A tiny `family` model in this process: the resident-set growth of a no-grad prefill (detached mode's chunk
-    activations) and of the exact-mode reverse pass (its chunk activations with autograd), each against the planner's
-    item, after a warm-up that allocates the parameter gradients and the allocator's pools."""
+def allocated_peak(fn) -> tuple[int, object]:
+    """`(peak growth of the bytes allocated through PyTorch's CPU allocator while fn() runs, its result)`: the
+    running sum of the profiler's allocation and free events (`profile_memory`), as `torch.cuda.max_memory_allocated`
+    counts on CUDA. Kernels' internal buffers are included; untouched pages of an allocation count too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    live = top = 0
+    for _, n in events:
+        live += n
+        top = max(top, live)
+    return top, out
+
+
+def live_at_peak(fn, depth: int = 3) -> tuple[int, dict[str, int], object]:
+    """`(allocated peak growth, {allocating call stack: bytes still live at the peak}, fn())`: the allocations of
+    `fn` that make up its allocated peak, each named by the innermost `depth` frames (Python and ATen) of its
+    allocation, from the profiler's event tree (`with_stack`)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+        out = fn()
+    allocations = []
+
+    def walk(node, chain):
+        if node.tag == _EventType.Allocation:
+            f = node.extra_fields
+            allocations.append((node.start_time_ns, f.ptr, f.alloc_size, chain))
+            return
+        for child in node.children:
+            walk(child, (*chain, node.name))
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, ())
+    allocations.sort(key=lambda a: a[0])
+    live = top = 0
+    at = -1
+    for i, (_, _, n, _) in enumerate(allocations):
+        live += n
+        if live > top:
+            top, at = live, i
+    alive = {}
+    for a in allocations[: at + 1]:
+        if a[2] > 0:
+            alive[a[1]] = a
+        else:
+            alive.pop(a[1], None)
+    by_stack: dict[str, int] = {}
+    for _, _, n, chain in alive.values():
+        key = " > ".join(chain[-depth:])
+        by_stack[key] = by_stack.get(key, 0) + n
+    return top, dict(sorted(by_stack.items(), key=lambda kv: -kv[1])), out
+
+
+def rss_peak(fn) -> tuple[int, object]:
+    """`(peak VmRSS while fn() runs, its result)`: a thread samples VmRSS every 0.2 ms (torch releases the GIL in its
+    ops; resetting the kernel's high-water mark is not allowed everywhere)."""
+    top, done = [_status("VmRSS")], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            top[0] = max(top[0], _status("VmRSS"))
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        out = fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(top[0], _status("VmRSS")), out
+
+
+def cpu_case(family: str, held_out: bool = False, trace: bool = False) -> list[dict]:
+    """A tiny `family` model in this process: the no-grad prefill (detached mode's chunk activations) and the
+    exact-mode reverse pass (its chunk activations with autograd), each against the planner's items, after a warm-up
+    that allocates the parameter gradients and the allocator's pools. Each phase runs twice: once under the
+    profiler (the allocated peak, the measured figure), once under the resident-set sampler (its peak; the difference
+    is the allocator's fragmentation and overhead, or pages allocated but never touched when negative)."""
     import gc
 
     import torch
@@ -178,34 +298,19 @@ def cpu_case(family: str) -> list[dict]:
     from trl_longstraw.testing import tiny_config
 
     torch.manual_seed(0)
-    config = tiny_config(family, vocab_size=512, **CPU_WIDTHS[family]).get_text_config()
+    widths, step = (CPU_HELD_OUT[family], CPU_HELD_OUT_STEP) if held_out else (CPU_WIDTHS[family], CPU_STEP)
+    config = tiny_config(family, vocab_size=512, **widths).get_text_config()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    p, chunk = CPU_STEP["P"], CPU_STEP["chunk"]
+    p, chunk = step["P"], step["chunk"]
     engine = Engine(model, model, get_adapter(model), chunk_size=chunk, progress=False)
 
-    def peak(fn) -> tuple[int, object]:
-        """`(peak VmRSS while fn() runs, its result)`: a thread samples VmRSS every 0.2 ms (torch releases the GIL in
-        its ops; resetting the kernel's high-water mark is not allowed everywhere)."""
-        top, done = [_status("VmRSS")], threading.Event()
-
-        def sample():
-            while not done.is_set():
-                top[0] = max(top[0], _status("VmRSS"))
-                time.sleep(0.0002)
-
-        thread = threading.Thread(target=sample)
-        thread.start()
-        try:
-            out = fn()
-        finally:
-            done.set()
-            thread.join()
-        return max(top[0], _status("VmRSS")), out
-
-    def run(positions: int) -> tuple[int, int]:
+    def run(positions: int, measure) -> tuple[int, int]:
+        """`(prefill, reverse)` peaks that `measure` reads, each above the phase's start (the reverse's start holds
+        the state and its gradients, allocated between the two)."""
         group = PromptGroup(tokens=torch.randint(3, 512, (positions,)), pad=0, rows=[0])
-        prefill, state = peak(lambda: engine.prefill(group, boundaries=True))
+        gc.collect()
+        prefill, state = measure(lambda: engine.prefill(group, boundaries=True))
         state.requires_grad_()  # exact mode: the records are leaves, whose gradients the branches accumulate
         for records in state.records.values():
             for record in records:
@@ -213,24 +318,69 @@ def cpu_case(family: str) -> list[dict]:
                     # GLM's indexer keys (element 1) get no gradient (trl_longstraw/glm_moe_dsa.py).
                     if not (config.model_type == "glm_moe_dsa" and i == 1):
                         t.grad = torch.ones_like(t)
-        reverse, _ = peak(lambda: engine.reverse(group, state))
+        gc.collect()
+        reverse, _ = measure(lambda: engine.reverse(group, state))
         return prefill, reverse
 
-    run(chunk + 1)  # warm-up: parameter gradients, allocator pools
-    gc.collect()
-    baseline = _status("VmRSS")  # weights, gradients, the interpreter and libraries
-    prefill, reverse = run(p)
+    def rss_growth(fn) -> tuple[int, object]:
+        start = _status("VmRSS")
+        top, out = rss_peak(fn)
+        return top - start, out
+
+    run(chunk + 1, rss_growth)  # warm-up: parameter gradients, allocator pools
+    if trace:
+
+        def traced(fn) -> tuple[int, object]:
+            top, stacks, out = live_at_peak(fn)
+            print(f"peak {top / MIB:.2f} MiB allocated; live at the peak, by allocating call (MiB):", file=sys.stderr)
+            for key, n in list(stacks.items())[:25]:
+                print(f"  {n / MIB:8.2f}  {key}", file=sys.stderr)
+            return top, out
+
+        run(p, traced)
+        return []
+    allocated = dict(zip(("detached", "exact"), run(p, allocated_peak), strict=True))
+    rss = dict(zip(("detached", "exact"), run(p, rss_growth), strict=True))
+    return [
+        dict(family=family, held_out=held_out, mode=mode, measured=allocated[mode], rss=rss[mode])
+        for mode in ("detached", "exact")
+    ]
+
+
+def cpu_config(family: str, held_out: bool):
+    """The text config of a CPU case's tiny model."""
+    from trl_longstraw.testing import tiny_config
+
+    widths = CPU_HELD_OUT[family] if held_out else CPU_WIDTHS[family]
+    return tiny_config(family, vocab_size=512, **widths).get_text_config()
+
+
+def cpu_predicted(measurements: list[dict]) -> list[dict]:
+    """The CPU measurements (`cpu_case`) against the planner's items, as table rows."""
     rows = []
-    for mode, measured in (("detached", prefill), ("exact", reverse)):
-        budget = predict(config, p, 1, 1, chunk, mode, 4, device="cpu")
+    for m in measurements:
+        config = cpu_config(m["family"], m["held_out"])
+        step = CPU_HELD_OUT_STEP if m["held_out"] else CPU_STEP
+        p, chunk = step["P"], step["chunk"]
+        budget = predict(config, p, 1, 1, chunk, m["mode"], 4, device="cpu")
         items = {i.name: i.nbytes for i in budget.items if i.name in PHASE_ITEMS}
-        what = "no-grad prefill" if mode == "detached" else "reverse pass"
-        rows.append({"case": f"{family} tiny, {what}", "measured": measured - baseline, **items})
+        what = "no-grad prefill" if m["mode"] == "detached" else "reverse pass"
+        # The reverse pass starts with the state and its gradients allocated: the planner's items include them.
+        held = 0 if m["mode"] == "detached" else items["prompt state"] + items["prompt state gradient"]
+        label = "held out" if m["held_out"] else "traced"
+        rows.append(
+            {
+                "case": f"{m['family']} tiny ({label}: H={config.hidden_size}, P={p:,}, chunk {chunk:,}), {what}",
+                "measured": m["measured"] + held,
+                "rss": m["rss"] + held,
+                **items,
+            }
+        )
     return rows
 
 
-def cpu_rows() -> list[dict]:
-    rows = []
+def cpu_measurements() -> list[dict]:
+    """Every CPU case, each in a fresh process (run side by side: each measures only itself)."""
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
@@ -238,14 +388,24 @@ def cpu_rows() -> list[dict]:
         MALLOC_TRIM_THRESHOLD_="0",
         PYTHONPATH=str(ROOT),
     )
-    for family in CPU_WIDTHS:
-        out = subprocess.run(
-            [sys.executable, __file__, "--case", family], env=env, capture_output=True, text=True, check=False
+    cases = [(family, []) for family in CPU_WIDTHS] + [(family, ["--held-out"]) for family in CPU_HELD_OUT]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--case", family, *flags],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        if out.returncode:
-            raise RuntimeError(f"{family}: {out.stderr[-2000:]}")
-        rows += json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"  {family}: {[round(r['measured'] / MIB, 1) for r in rows[-2:]]} MiB", file=sys.stderr)
+        for family, flags in cases
+    ]
+    rows = []
+    for (family, flags), proc in zip(cases, procs, strict=True):
+        stdout, stderr = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"{family}: {stderr[-2000:]}")
+        rows += json.loads(stdout.strip().splitlines()[-1])
+        print(f"  {family} {flags}: {[round(r['measured'] / MIB, 1) for r in rows[-2:]]} MiB", file=sys.stderr)
     return rows
 
 
@@ -253,8 +413,11 @@ def cpu_rows() -> list[dict]:
 def table(rows: list[dict], unit: int, unit_name: str) -> tuple[list[str], list[float]]:
     names = []
     for row in rows:
-        names += [k for k in row if k not in ("case", "measured", "step_s") and k not in names]
+        names += [k for k in row if k not in ("case", "measured", "step_s", "rss") and k not in names]
+    resident = any("rss" in row for row in rows)
     head = ["case", *names, "predicted", "measured", "predicted / measured"]
+    if resident:
+        head += ["held by the allocator (RSS; CUDA: reserved)", "fragmentation"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ratios = []
     for row in rows:
@@ -264,6 +427,8 @@ def table(rows: list[dict], unit: int, unit_name: str) -> tuple[list[str], list[
         ok = "" if 1 - TARGET_LOW <= ratio <= 1 + TARGET_HIGH else " (outside the target)"
         cells = [row["case"], *(f"{row.get(n, 0) / unit:.2f}" for n in names)]
         cells += [f"{predicted / unit:.2f}", f"{row['measured'] / unit:.2f}", f"{ratio:.3f}{ok}"]
+        if resident:
+            cells += [f"{row['rss'] / unit:.2f}", f"{(row['rss'] - row['measured']) / row['measured']:+.1%}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.insert(0, f"Item columns and totals in {unit_name}.\n")
     return lines, ratios
@@ -273,10 +438,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-only", action="store_true")
     parser.add_argument("--case", metavar="FAMILY", help=argparse.SUPPRESS)
+    parser.add_argument("--held-out", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--trace",
+        metavar="FAMILY",
+        help="print what a tiny FAMILY model's prefill and reverse pass hold at their allocated peaks, by allocating "
+        "call (llama, qwen3_5, glm_moe_dsa); nothing is written",
+    )
     parser.add_argument("--out", default=str(HERE / "CALIBRATION.md"))
+    parser.add_argument(
+        "--stored",
+        action="store_true",
+        help=f"take the CPU measurements from {CPU_JSON.name} (written by the last full run) instead of measuring",
+    )
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(cpu_case(args.case)))
+        print(json.dumps(cpu_case(args.case, args.held_out)))
+        return
+    if args.trace:
+        cpu_case(args.trace, trace=True)
         return
     command = "OMP_NUM_THREADS=1 python benchmarks/calibrate_planner.py" + (" --gpu-only" if args.gpu_only else "")
     md = [
@@ -317,11 +497,23 @@ def main() -> None:
             f"{CPU_STEP['chunk']:,}): the no-grad prefill and the exact-mode reverse pass",
             "",
         ]
-        lines, cpu = table(cpu_rows(), MIB, "MiB")
+        if args.stored:
+            stored = json.loads(CPU_JSON.read_text())
+        else:
+            stored = dict(
+                time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                load_average=os.getloadavg(),
+                measurements=cpu_measurements(),
+            )
+            CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
+        lines, cpu = table(cpu_predicted(stored["measurements"]), MIB, "MiB")
         md += [
-            "The planner plans CUDA runs and its activation multiples are calibrated on the GPU rows above (in",
-            "sample). These rows are an out-of-sample check on another device: fp32 without autocast, PyTorch's CPU",
-            "attention kernel and the CPU code paths, glibc's allocator. The memory guard does not run on CPU.",
+            "The planner plans CUDA runs. The no-grad prefill of dense models is itemized (`plan.prefill_bytes`: the",
+            "residual tensors and the gated MLP's or Gated DeltaNet fallback's transients, counted from the traced",
+            "rows); the reverse pass uses the autograd multiples calibrated on the GPU rows above, which are CUDA",
+            "figures: on CPU (fp32, PyTorch's CPU flash-attention kernel) llama's and qwen3_5's reverse pass hold",
+            "more (`--trace` lists what). Measured figure: PyTorch's allocated peak; resident set and fragmentation",
+            "beside it. The memory guard does not run on CPU.",
             "",
         ]
         md += lines

@@ -924,6 +924,10 @@ class Step:
             out.update(status="OOM", step_s=time.perf_counter() - t0, error=str(e).splitlines()[0][:200])
         out.update(peak_gib=self.memory.peak() / GIB, before_gib=before / GIB)
         out["growth_gib"] = out["peak_gib"] - out["before_gib"]
+        if self.args.device == "cuda":
+            # The caching allocator's reserved peak: its excess over the allocated peak is the fragmentation that
+            # benchmarks/calibrate_planner.py reports beside the planner's items.
+            out["reserved_peak_gib"] = torch.cuda.max_memory_reserved() / GIB
         metrics = self.trainer._metrics["train"]
         for key in ("prefill_s", "replay_s", "reverse_s", "state_gib"):
             if metrics.get(f"longstraw/{key}") and out["status"] == "ok":

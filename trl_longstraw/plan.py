@@ -317,15 +317,19 @@ def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute
 # ------------------------------------------------------------------------------------------------------- model
 # Activation bytes of one layer, per token, as a multiple of the inputs and outputs of its matmuls (nn.Linear,
 # nn.Conv1d, and the `top_k` active experts of fused MoE weights) in the compute dtype, `(no grad, with autograd)`.
-# The multiple covers norms, activation functions and attention internals. No grad: what one layer's forward holds at
-# once (the prefill). With autograd: the recomputed layer's saved tensors and the gradients its backward allocates
-# (the reverse pass's autograd buffers; a branch replay's too). Calibrated on every step of the GPU check (H200,
-# bf16, real-width slices, chunks of 16,384): the peak beyond the weights, gradients, prompt state and checkpointed
-# layer inputs, per token and matmul element, is the same within 2% at every prompt length of a family; these are its
-# largest values rounded up to 0.05 (`python benchmarks/calibrate_planner.py` prints them, benchmarks/CALIBRATION.md).
-# GLM's DSA top-k selection is an item of its own (`dsa_selection_bytes`). Those runs used the torch fallbacks of
-# Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the fla and Triton kernels hold less. Model
-# types without their own entry use the KV-cache families' (llama's).
+# The multiple covers norms, activation functions and attention internals. With autograd: the recomputed layer's
+# saved tensors and the gradients its backward allocates (the reverse pass's autograd buffers; a branch replay's
+# too). No grad: what one layer's forward holds at once (the prefill), used for MoE models only; dense models' prefill
+# is itemized (`prefill_bytes`). Calibrated on the steps of the GPU check whose peak is that phase (H200, bf16,
+# real-width slices, chunks of 16,384: the exact-mode rows, and GLM's detached ones; the other detached rows peak in
+# a branch's backward, at the LM head's weight gradient, `head_gradient_bytes`): the peak beyond the weights,
+# gradients, prompt state and checkpointed layer inputs, per token and matmul element, is the same within 2% at every
+# prompt length of a family; these are its largest values rounded up to 0.05 (`python benchmarks/calibrate_planner.py`
+# prints them, benchmarks/CALIBRATION.md). GLM's DSA top-k selection is an item of its own (`dsa_selection_bytes`).
+# Those runs used the torch fallbacks of Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the
+# fla and Triton kernels hold less. Model types without their own entry use the KV-cache families' (llama's). On CPU
+# (fp32, PyTorch's CPU flash-attention kernel) the reverse pass of llama and qwen3_5 holds more than these multiples
+# say (benchmarks/CALIBRATION.md): the multiples are CUDA figures.
 ACTIVATION_MULTIPLES = {
     "llama": (1.25, 1.75),
     "glm_moe_dsa": (0.5, 2.0),
@@ -348,6 +352,22 @@ def score_tiles(stats: ModelStats, compute_bytes: int, queries: int, autograd: b
     return (4 if autograd else 3) * queries * stats.attention_heads * KEY_BLOCK * 4
 
 
+def head_gradient_bytes(stats: ModelStats, setup: Setup) -> int:
+    """Bytes of the LM head's weight gradient in flight in a branch's backward, when the head is trained.
+
+    TRL's fused LM head (`trl.kernels.chunked_logprob`, behind `fused_lm_head=True`) accumulates the weight gradient
+    over its token tiles in an fp32 `[V, H]` buffer and returns it cast to the weight's dtype: both exist at once.
+    The cast is a copy only for a weight that is not fp32, and a new buffer only without FSDP (the parameter's
+    `.grad` then takes it with an in-place add); under FSDP2 it is the unsharded gradient, counted in "FSDP
+    all-gathered". On the GPU check's steps (full fine-tuning, bf16) this is the detached-mode peak: `[V, H]` x 6
+    bytes (benchmarks/CALIBRATION.md). 0 when the head is not trained (LoRA)."""
+    n = stats.head_trainable
+    shards = setup.gpus if setup.fsdp else 1
+    weight_bytes = setup.compute_bytes if shards > 1 else setup.trainable_weight_bytes
+    cast = n * weight_bytes if shards == 1 and weight_bytes != 4 else 0
+    return n * 4 + cast
+
+
 def dsa_selection_bytes(stats: ModelStats, queries: int, keys: int) -> int:
     """Bytes of the DSA top-k selection of `queries` query tokens over `keys` prompt keys (`glm_moe_dsa`'s PyTorch
     path, `glm_moe_dsa._running_topk`): each query's running candidates, `index_topk` kept plus one key block of at
@@ -359,6 +379,38 @@ def dsa_selection_bytes(stats: ModelStats, queries: int, keys: int) -> int:
 
     block = min(INDEX_KEY_BLOCK, max(keys, 1))
     return queries * (stats.index_topk + block) * (4 + 8) + min(INDEX_TILE, queries * stats.index_heads * block) * 4
+
+
+# The no-grad prefill of a dense model, per chunk token, from what its code holds at the peak (traced allocation by
+# allocation on CPU: `benchmarks/calibrate_planner.py --trace FAMILY`): the residual stream's tensors `[T, H]` (the
+# embeddings, which the backbone's forward keeps referenced, the layer's input, the residual after attention and the
+# normed MLP input), RoPE's cos and sin (fp32 `[T, head_dim]`), and the largest of one layer's transients:
+# - the gated MLP: act(gate), up and their product `[T, I]`;
+# - the torch fallback of Gated DeltaNet (`qwen3_5.torch_gated_delta_rule`, where fla is absent): the projections
+#   (qkv `[T, conv_dim]` and its conv output, z `[T, Hv, Dv]`) and its fp32 work tensors per value head: query, key,
+#   k_beta and k_cumdecay `[Dk]`, value, v_beta, new values, the block outputs and their stack `[Dv]`, and three
+#   `[block, block]` matrices per block of 64 positions (decays, UT system, intra-block attention).
+PREFILL_RESIDUAL_TENSORS = 4
+PREFILL_MLP_TENSORS = 3
+DELTA_RULE_KEY_VECTORS, DELTA_RULE_VALUE_VECTORS, DELTA_RULE_BLOCK_MATRICES = 4, 5, 3
+
+
+def prefill_bytes(stats: ModelStats, compute_bytes: int) -> int | None:
+    """Bytes per chunk token of the no-grad prefill (see `PREFILL_RESIDUAL_TENSORS`), or None for MoE models, whose
+    routed experts' dispatch buffers are not itemized (`ACTIVATION_MULTIPLES` covers them)."""
+    if stats.num_experts or not stats.intermediate_size:
+        return None
+    from .qwen3_5 import DELTA_RULE_BLOCK
+
+    s, b = stats, compute_bytes
+    residual = PREFILL_RESIDUAL_TENSORS * s.hidden_size * b + 2 * s.head_dim * 4
+    transient = PREFILL_MLP_TENSORS * s.intermediate_size * b
+    heads, k_dim, v_dim, conv_dim = s.delta_rule
+    if heads:
+        work = DELTA_RULE_KEY_VECTORS * k_dim + DELTA_RULE_VALUE_VECTORS * v_dim
+        work += DELTA_RULE_BLOCK_MATRICES * DELTA_RULE_BLOCK
+        transient = max(transient, (2 * conv_dim + heads * v_dim) * b + heads * work * 4)
+    return residual + transient
 
 
 def exchange_rows(stats: ModelStats, rows: int) -> int:
@@ -405,6 +457,11 @@ class ModelStats:
         model_type: the config's, for its activation multiples (`ACTIVATION_MULTIPLES`).
         attention_heads, head_dim: query heads and their width, for the score tiles of the portable attention path.
         index_heads, index_topk: the DSA indexer's heads and top-k (`glm_moe_dsa`), for its selection buffers.
+        head_trainable: elements of the LM head's weight `[V, H]` when it is trained (0 under LoRA or frozen), for
+            the fp32 weight gradient of TRL's fused LM head (`head_gradient_bytes`).
+        intermediate_size: the widest MLP intermediate of a layer (the dense MLP's, or the shared and routed
+            experts' of a token), for the no-grad prefill's transients (`prefill_bytes`).
+        delta_rule: Gated DeltaNet's `(value heads, key head dim, value head dim, conv channels)` (qwen3_5), else 0s.
         context_parallel_heads: see `context_parallel_heads` (0: context-parallel prompt passes for any shard group).
         round_row_elems: per token, the record elements of one layer that a context-parallel round gathers from
             every rank (`glm_moe_dsa`: the MLA row and the index key, `glm_moe_dsa.round_rows`); 0 for others.
@@ -435,6 +492,9 @@ class ModelStats:
     head_dim: int = 0
     index_heads: int = 0
     index_topk: int = 0
+    head_trainable: int = 0
+    intermediate_size: int = 0
+    delta_rule: tuple[int, int, int, int] = (0, 0, 0, 0)
     context_parallel_heads: int = 0
     round_row_elems: int = 0
 
@@ -515,6 +575,7 @@ def model_stats(
     dense = [n - e for n, e in zip(layer_params, expert_counts, strict=True)]
     dense_trainable = [trainable(layer) - e for layer, e in zip(layers, expert_trained, strict=True)]
     per_token, fixed = prompt_state_bytes(config, state_dtype_bytes)
+    head = causal_lm.get_output_embeddings()
     return ModelStats(
         total_params=base + adapters,
         trainable_params=adapters if lora_rank else trainable(causal_lm),
@@ -541,6 +602,9 @@ def model_stats(
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         index_heads=getattr(config, "index_n_heads", 0) or 0,
         index_topk=getattr(config, "index_topk", 0) or 0,
+        head_trainable=head.weight.numel() if head is not None and not lora_rank and head.weight.requires_grad else 0,
+        intermediate_size=getattr(config, "intermediate_size", 0) or 0,
+        delta_rule=_delta_rule_dims(config),
         context_parallel_heads=context_parallel_heads(config),
         round_row_elems=(
             config.kv_lora_rank + config.qk_rope_head_dim + config.index_head_dim
@@ -548,6 +612,14 @@ def model_stats(
             else 0
         ),
     )
+
+
+def _delta_rule_dims(config) -> tuple[int, int, int, int]:
+    """`(Hv, Dk, Dv, conv channels)` of a config's Gated DeltaNet layers, or zeros when it has none."""
+    if "linear_attention" not in (getattr(config, "layer_types", None) or []):
+        return 0, 0, 0, 0
+    heads, k_dim, v_dim = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    return heads, k_dim, v_dim, 2 * config.linear_num_key_heads * k_dim + heads * v_dim
 
 
 def meta_model(config) -> nn.Module:
@@ -881,6 +953,10 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     if selection:
         branch += selection
         detail += f" + {_size(selection)} of DSA top-k candidates"
+    head = head_gradient_bytes(s, u)
+    if head:
+        branch += head
+        detail += f" + {_size(head)} of LM head weight gradient (fused head: fp32 [V, H])"
     items.append(Item("branch graph", branch, detail, phase="activations"))
     chunk = min(u.prefill_chunk_size, max(tokens, 1))
     tiles = score_tiles(s, u.compute_bytes, chunk, autograd=exact, device=u.device)
@@ -926,7 +1002,9 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             )
         )
     else:
-        forward = int(no_grad * s.layer_activation_elems * u.compute_bytes)
+        forward = prefill_bytes(s, u.compute_bytes)
+        if forward is None:
+            forward = int(no_grad * s.layer_activation_elems * u.compute_bytes)
         items.append(
             Item(
                 "chunk activations",
