@@ -689,6 +689,7 @@ class Engine:
         else:
             ids, positions, labels = self._branch(group, group.tokens[-1:], 1)
         lp, ent = self._forward_branch(ids, positions, labels)
+        active_pass().filling = False  # the backward's checkpoint recompute takes what the forward kept
         if backward_fn is not None:
             backward_fn(lp.sum() * 0 + (0 if ent is None else ent.sum() * 0))
 
@@ -956,7 +957,9 @@ class Engine:
                 for row in slot.rows:
                     done += 1
                     if row is None:
-                        self._zero_branch(group, backward_fn, device)
+                        # As a real branch: the ranks of the group recompute (or reuse) the same attention exchanges.
+                        with p.keeping_attention(checkpointed):
+                            self._zero_branch(group, backward_fn, device)
                         continue
                     n = lengths[row]
                     # The checkpoint's recompute takes each attention layer's output over the prompt (the costly part
