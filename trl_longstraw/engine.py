@@ -362,6 +362,9 @@ class Engine:
             `contextlib.nullcontext`.
         offload_boundaries: keep the exact-mode recurrent chunk boundaries in host memory between the prefill and
             the reverse pass (`offload.HostBoundaries`).
+        checkpoint_reverse: under gradient checkpointing, let the reverse pass recompute each layer of a chunk in its
+            backward (True), or turn checkpointing off for the reverse pass's chunks, which then keep their whole
+            graph and skip that recompute (`LongStrawGRPOConfig.reverse_checkpointing`).
     """
 
     def __init__(
@@ -374,8 +377,10 @@ class Engine:
         shards=None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         offload_boundaries: bool = False,
+        checkpoint_reverse: bool = True,
     ):
         self.model = model
+        self.checkpoint_reverse = checkpoint_reverse
         self.offload_boundaries = offload_boundaries
         self.autocast = autocast
         self.causal_lm = causal_lm
@@ -590,9 +595,14 @@ class Engine:
                     start, end, cp = self._declare(c, bounds)
                     p = Pass(state, visible=c, shard=self.shards, cp=cp)
                     p.sink = {}
-                    checkpointed = self._backbone().is_gradient_checkpointing
+                    checkpointed = self._backbone().is_gradient_checkpointing and self.checkpoint_reverse
                     # The recompute of each layer takes its attention's output instead of attending again.
-                    with use_pass(p), torch.enable_grad(), p.keeping_attention(checkpointed):
+                    with (
+                        use_pass(p),
+                        torch.enable_grad(),
+                        _checkpointing_off(self._backbone(), not self.checkpoint_reverse),
+                        p.keeping_attention(checkpointed),
+                    ):
                         with self.autocast():
                             hidden = self._backbone()(
                                 input_ids=prefix[None, start:end],
@@ -928,6 +938,20 @@ class Engine:
             self.stats.replay_s += time.perf_counter() - t0
             self._pad(slot, REVERSE, self.reverse(group, state) if exact else 0, device)
             self._held.pop(_key(group), None)
+
+
+@contextlib.contextmanager
+def _checkpointing_off(backbone, off: bool):
+    """With `off`, the checkpointed decoder layers of `backbone` run without checkpointing inside the block (forward
+    and backward): their autograd graph is kept instead of recomputed. Nothing otherwise."""
+    layers = [m for m in backbone.modules() if getattr(m, "gradient_checkpointing", False)] if off else []
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
 
 
 def _key(group: PromptGroup) -> tuple[int, bytes]:

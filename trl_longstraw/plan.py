@@ -526,6 +526,8 @@ class Setup:
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
+        reverse_checkpointing: exact mode under gradient checkpointing: the reverse pass's chunks are checkpointed
+            too (`LongStrawGRPOConfig.reverse_checkpointing`); False keeps a chunk's whole graph.
         trainable_weight_bytes, frozen_weight_bytes, grad_bytes, optimizer_bytes: per parameter, as stored
             (optimizer: AdamW's two moments). Default: mixed precision as Accelerate's FSDP2 sets it up
             (trainable weights upcast to fp32, frozen ones kept in bf16, fp32 gradients and AdamW states).
@@ -553,6 +555,7 @@ class Setup:
     shard_group: int = 0
     fsdp: bool = True
     gradient_checkpointing: bool = True
+    reverse_checkpointing: bool = True
     trainable_weight_bytes: int = 4
     frozen_weight_bytes: int = 2
     grad_bytes: int = 4
@@ -811,14 +814,21 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     )
     no_grad, autograd = activation_multiples(s.model_type)
     layer = int(autograd * s.layer_activation_elems * u.compute_bytes)
+    # Under gradient checkpointing, each attention layer's output and log-sum-exp over the prompt, kept from a
+    # forward (a reverse chunk's; an unsharded branch's too) for the recompute.
+    outputs, lses = s.kept_attention
+    kept = outputs * u.compute_bytes + lses * 4 if u.gradient_checkpointing else 0
+    branch_kept = kept if state_parts == 1 else 0
     if u.gradient_checkpointing:
         graph_per_token = s.num_layers * s.hidden_size * u.compute_bytes + layer
         how = "checkpointed: layer inputs + one recomputed layer and its gradients"
+        if branch_kept:
+            how += ", attention outputs kept for the recompute"
     else:
         graph_per_token = int(autograd * s.total_activation_elems * u.compute_bytes)
         how = "every layer's activations and their gradients"
-    branch = u.completion_length * graph_per_token
-    detail = f"{u.completion_length:,} tokens x {_size(graph_per_token)} ({how})"
+    branch = u.completion_length * (graph_per_token + branch_kept)
+    detail = f"{u.completion_length:,} tokens x {_size(graph_per_token + branch_kept)} ({how})"
     if state_parts > 1:
         # A branch round gathers every rank's queries for one attention layer at a time, and returns fp32 partial
         # outputs (computed, sent, received: three copies).
@@ -844,21 +854,19 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         tiles += selection
         scored += f" + {_size(selection)} of DSA top-k candidates"
     if exact:
-        reverse_per_token = graph_per_token
-        if u.gradient_checkpointing:
+        checkpointed = u.gradient_checkpointing and u.reverse_checkpointing
+        if checkpointed:
             # Each attention layer's output and log-sum-exp, kept from the forward for the recompute.
-            outputs, lses = s.kept_attention
-            reverse_per_token += outputs * u.compute_bytes + lses * 4
+            reverse_per_token = graph_per_token + kept
+        else:
+            reverse_per_token = int(autograd * s.total_activation_elems * u.compute_bytes)
         items.append(
             Item(
                 "chunk activations",
                 chunk * reverse_per_token + tiles,
                 f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
-                + (
-                    ", attention outputs kept for the recompute)"
-                    if u.gradient_checkpointing and any(s.kept_attention)
-                    else ")"
-                )
+                + (", attention outputs kept for the recompute)" if checkpointed and kept else ")")
+                + ("" if checkpointed or not u.gradient_checkpointing else ", not checkpointed: every layer's graph")
                 + scored,
                 phase="activations",
             )

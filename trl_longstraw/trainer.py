@@ -306,6 +306,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 shards=self._prompt_shards,
                 autocast=self._autocast,
                 offload_boundaries=self.args.offload_boundary_states,
+                checkpoint_reverse=self.args.reverse_checkpointing,
             )
             engine.hold_budget = self._hold_budget
             self._engines[id(causal_lm)] = engine
