@@ -14,7 +14,9 @@ each rank:
 - records, for each prompt state the decoding prefilled, whether decoding left it unchanged and how many attention
   records this rank holds of how many chunks;
 - greedy again on an FSDP2 model (`fully_shard` on every layer and the root), where `generate` runs with
-  `synced_gpus` and the decoder in lockstep with FSDP2's per-layer gathers.
+  `synced_gpus` and the decoder in lockstep with FSDP2's per-layer gathers; and on the same model without a sharded
+  state (different prompts per rank: the data-parallel lockstep of generation); and checks that transformers'
+  `generate` would run in lockstep (synced_gpus) on a PEFT model sharded by `fully_shard` as accelerate does.
 
 Rank 0 writes every rank's results to `OUT`.
 """
@@ -30,6 +32,8 @@ import torch.distributed as dist
 
 PROMPTS = ["a b c d e f g h i j k l m", "h i j k l m n", "x"]
 ROWS = {0: [0, 1, 0, 2, 1], 1: [2, 1, 0, 2, 1, 2]}
+# FSDP2 without a sharded state: different prompts per rank (the same number of rows, as TRL gives every process).
+DP_ROWS = {0: [0, 1, 0, 1, 0], 1: [2, 2, 2, 2, 2]}
 # The pad token is never drawn: its zero embedding gives glm_moe_dsa indexer keys that tie at the top-k cut-off,
 # where stock's order is unspecified (see glm_moe_dsa.py).
 SAMPLING = {"do_sample": True, "temperature": 1.3, "top_k": 0, "suppress_tokens": [0]}
@@ -163,9 +167,38 @@ def main(model_path: str, out_path: str) -> None:
     with torch.no_grad():
         fsdp_got = generate_shared(fsdp, fsdp_engine, ids, config, 0, trainer.eos_token_ids, None, torch.device("cpu"))
 
+    # FSDP2 without a sharded state: the data-parallel lockstep of generation. The ranks hold different prompts (rank
+    # 0 two, rank 1 one, of other chunk counts), so each pads its prefills and steps with fillers where it has less to
+    # do; greedy completions are the unsharded model's.
+    dp_ids = [tokenizer(text=PROMPTS[i])["input_ids"] for i in DP_ROWS[rank]]
+    dp_engine = Engine(fsdp, fsdp, get_adapter(fsdp), chunk_size=3)
+    assert dp_engine.lockstep
+    with torch.no_grad():
+        dp_got = generate_shared(fsdp, dp_engine, dp_ids, config, 0, trainer.eos_token_ids, None, torch.device("cpu"))
+        dp_width = max(len(x) for x in dp_ids)
+        dp_out = model.generate(
+            input_ids=torch.tensor([[0] * (dp_width - len(x)) + x for x in dp_ids]),
+            attention_mask=torch.tensor([[0] * (dp_width - len(x)) + [1] * len(x) for x in dp_ids]),
+            generation_config=trainer.generation_config,
+        )
+
+    # Where the trainer falls back to transformers' generate under FSDP2 (shard groups smaller than the world),
+    # generate must run every rank in lockstep (synced_gpus): it does for any module fully_shard manages, so for
+    # accelerate's FSDP2 of a PEFT model too (generate runs on the causal LM inside the PEFT wrappers).
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=2, target_modules=["o_proj"]))
+    for layer in peft.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(peft, mesh=mesh)
+    peft_synced_gpus = is_fsdp_managed_module(peft.base_model.model)
+
     mine = {
+        "peft_synced_gpus": peft_synced_gpus,
         "greedy": (got, expected),
         "fsdp2_greedy": fsdp_got,
+        "fsdp2_data_parallel": (dp_got, trim_after_eos(dp_out[:, dp_width:], trainer.eos_token_ids)),
         "sampled": sampled,
         "unchanged": unchanged,
         "held": held,

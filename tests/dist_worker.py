@@ -17,7 +17,9 @@ runs these scenarios on them:
 - `fsdp2_sharded_exact`: the FSDP2 model with the sharded prompt state and non-reentrant gradient checkpointing,
   `S`: the ranks run in lockstep, so FSDP2 gathers and frees each layer pass by pass;
 - `fsdp2_grouped_sharded_detached`: the FSDP2 model with the prompt state sharded over groups of one rank each
-  (smaller than the world: different passes, so the engine gathers the whole model once per call), detached, `B`;
+  (smaller than the world: each group its own passes, padded to the world's agreed pass counts, so FSDP2 still
+  gathers and frees each layer pass by pass), detached, `B` (the groups hold different prompts, chunks and
+  completions; 4 processes in groups of 2: `tests/group_worker.py`);
 - `sharded_long_exact`: the sharded prompt state, exact mode, micro-batch `L` (a long prompt), counting the tokens
   that each decoder layer's MLP runs on this rank;
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
@@ -26,6 +28,9 @@ runs these scenarios on them:
   tokens, as for old-policy and reference log-probs;
 - for every FSDP2 scenario, at each unshard (prefetches included) and each wait for one, how many decoder layers
   are gathered or being gathered, and how many hold unsharded parameters (`gathered`);
+- `nonfinite_raise`: the sharded exact step on `S` with a NaN advantage in rank 1's rows only (`on_nonfinite`
+  "raise"): every rank must raise FloatingPointError before back-propagating (none left waiting in a collective);
+  the messages are kept;
 - first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, and the glm_moe_dsa sharded
   selection and latent attention against their references, in fp64; `PromptShards.broadcast_boundary` alone on
   records of mixed dtypes.
@@ -42,6 +47,7 @@ import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -140,6 +146,45 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
             batch["advantages"][batch["rank"] == 1] = 0.0
         batches[key] = batch
     return batches
+
+
+def probe_gathers(fsdp) -> tuple[list[tuple[int, int]], Callable[[], tuple[int, int, int]]]:
+    """Whenever FSDP2 gathers a parameter group of `fsdp` (an unshard, a prefetch included, or the wait that completes
+    one), records how many decoder layers are gathered or being gathered, and how many hold their unsharded (plain
+    tensor, not DTensor) parameters: at most the running layer and one prefetched when FSDP2 gathers pass by pass,
+    every layer when the whole model is gathered.
+
+    Returns the record `[(gathered, unsharded)]` and a function returning `(probes, most layers gathered or gathering,
+    most layers with unsharded parameters)` since its last call (which clears the record).
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.tensor import DTensor
+
+    from trl_longstraw.distributed import _param_groups_of
+
+    gathered: list[tuple[int, int]] = []
+    layers = fsdp.model.layers
+    layer_groups = [_param_groups_of(layer) for layer in layers]
+
+    def probed(fn):
+        def wrapper(self, *args, **kwargs):
+            out = fn(self, *args, **kwargs)
+            held = sum(any(g.is_unsharded or g._all_gather_result is not None for g in gs) for gs in layer_groups)
+            plain = sum(not isinstance(next(layer.parameters()), DTensor) for layer in layers)
+            gathered.append((held, plain))
+            return out
+
+        return wrapper
+
+    FSDPParamGroup.unshard = probed(FSDPParamGroup.unshard)
+    FSDPParamGroup.wait_for_unshard = probed(FSDPParamGroup.wait_for_unshard)
+
+    def most_gathered() -> tuple[int, int, int]:
+        probes = (len(gathered), max(h for h, _ in gathered), max(p for _, p in gathered))
+        gathered.clear()
+        return probes
+
+    return gathered, most_gathered
 
 
 @contextlib.contextmanager
@@ -477,7 +522,6 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     from trl.trainer.utils import add_fused_lm_head
 
     from trl_longstraw import LongStrawGRPOTrainer
-    from trl_longstraw.distributed import _param_groups_of
     from trl_longstraw.engine import group_prompts
 
     log: list = []
@@ -546,32 +590,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
     assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
-    # Whenever FSDP2 gathers a parameter group (an unshard, a prefetch included, or the wait that completes one), how
-    # many decoder layers are gathered or being gathered, and how many hold their unsharded (plain tensor, not
-    # DTensor) parameters: at most the running layer and one prefetched when FSDP2 gathers pass by pass, every layer
-    # when the engine gathers once per call.
-    gathered: list[tuple[int, int]] = []
-    layer_groups = [_param_groups_of(layer) for layer in fsdp.model.layers]
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    def probed(fn):
-        def wrapper(self, *args, **kwargs):
-            out = fn(self, *args, **kwargs)
-            held = sum(any(g.is_unsharded or g._all_gather_result is not None for g in gs) for gs in layer_groups)
-            plain = sum(not isinstance(next(layer.parameters()), DTensor) for layer in fsdp.model.layers)
-            gathered.append((held, plain))
-            return out
-
-        return wrapper
-
-    FSDPParamGroup.unshard = probed(FSDPParamGroup.unshard)
-    FSDPParamGroup.wait_for_unshard = probed(FSDPParamGroup.wait_for_unshard)
-
-    def most_gathered() -> tuple[int, int, int]:
-        """`(probes, most layers gathered or gathering, most layers with unsharded parameters)` since the last call."""
-        probes = (len(gathered), max(h for h, _ in gathered), max(p for _, p in gathered))
-        gathered.clear()
-        return probes
+    gathered, most_gathered = probe_gathers(fsdp)
 
     for name, mode, micro_batches in [("fsdp2_exact", "exact", "AB"), ("fsdp2_detached", "detached", "B")]:
         start = len(log)
@@ -646,8 +665,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     results["fsdp2_sharded_exact"] = full_grads(fsdp)
     results["collectives"]["fsdp2_sharded_exact"] = log[start:]
     results["gathered"]["fsdp2_sharded_exact"] = most_gathered()
-    # Shard groups smaller than the world (one rank each) run different passes: the engine gathers the whole model
-    # once per call (`distributed.fsdp2_gathered` without per_pass).
+    # Shard groups smaller than the world (one rank each): each group pads its passes to the world's agreed counts.
     from trl_longstraw.sharding import PromptShards
 
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
@@ -696,6 +714,22 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     with torch.no_grad():
         engine.score(*scored)
     results["state_bytes"]["unsharded"] = engine.stats.state_bytes
+    # A non-finite loss on rank 1 only: both ranks raise.
+    set_sharded(True)
+    trainer.args.on_nonfinite = "raise"
+    trainer.args.prompt_gradient = "exact"
+    poisoned = rows_of(batches["S"], rank)
+    if rank == 1:
+        poisoned["advantages"] = poisoned["advantages"].clone()
+        poisoned["advantages"][0] = float("nan")
+    start = len(log)
+    try:
+        trainer.training_step(ddp, poisoned, batches["S"]["num_items_in_batch"])
+        raised = None
+    except FloatingPointError as error:
+        raised = str(error)
+    nonfinite = (raised, log[start:])
+    trainer.model.zero_grad(set_to_none=True)
 
     # Gather what rank 1 saw: its logps, collective sequences and state sizes.
     everyone: list = [None] * world
@@ -709,6 +743,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["gathered"],
         batched_logps,
         results["mlp_tokens"],
+        nonfinite,
     )
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -721,6 +756,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["gathered"] = [e[6] for e in everyone]
         results["batched_logps"] = [e[7] for e in everyone]
         results["mlp_tokens"] = [e[8] for e in everyone]
+        results["nonfinite"] = [e[9] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

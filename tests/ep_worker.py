@@ -242,13 +242,6 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     trainer._prompt_shards = shards
     trainer._engines.clear()
 
-    # Generation: the shared-prompt decoding does not run the ranks in lockstep, so under expert parallelism the
-    # trainer leaves generation to transformers' generate (synced_gpus), also without a sharded prompt state.
-    trainer.args.shard_prompt_state = False
-    trainer._check_setup()
-    assert trainer._shared_generation is False, "shared-prompt generation under expert parallelism"
-    trainer.args.shard_prompt_state = True
-
     local = {
         name: p.to_local().detach().clone()
         for name, p in model.named_parameters()

@@ -124,20 +124,41 @@ def test_bench_step_tiny_sweep(tmp_path):
 
 @pytest.mark.slow
 def test_bench_whole_step_tiny(tmp_path):
-    """A tiny whole step (generation + loss) per implementation: both phases measured, ours' loss pass takes
-    generation's prompt state (llama decodes against it), and the report states the generation-peak target."""
+    """A tiny whole step (generation + loss) per implementation: both phases measured (CPU and wall time), stock's best
+    setting runs G one-row steps after one generation, ours' loss pass takes generation's prompt state (llama decodes
+    against it), the report states the generation-peak target, and `--merge` adds an earlier run's records."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_whole_step.py"), "--family", "llama", "--P", "300"]
-    cmd += ["--G", "2", "--C", "8", "--chunk", "64", "--impls", "stock,detached", "--timeout", "300"]
-    proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True, env=_env(), timeout=900)
+    cmd += ["--G", "2", "--C", "8", "--chunk", "64", "--timeout", "300"]
+    first = tmp_path / "first"
+    proc = subprocess.run(
+        cmd + ["--impls", "stock,stock_best,detached", "--out", str(first)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    raw = json.loads((tmp_path / "whole_step.json").read_text())
+    raw = json.loads((first / "whole_step.json").read_text())
     by_impl = {r["impl"]: r for r in raw["records"]}
-    assert set(by_impl) == {"stock", "detached"} and all(r["status"] == "ok" for r in raw["records"]), raw
+    assert set(by_impl) == {"stock", "stock_best", "detached"} and all(r["status"] == "ok" for r in raw["records"])
     for r in raw["records"]:
         assert r["generation_time_s"] > 0 and r["loss_time_s"] > 0 and r["peak_bytes"] > r["rss_before"]
+        assert r["generation_cpu_s"] > 0 and r["loss_cpu_s"] > 0 and r["cpu_s"] > 0 and "load_before" in r
     assert by_impl["detached"]["prompt_positions"] == 0 and by_impl["detached"]["prompt_positions_reused"] == 299
-    text = (tmp_path / "WHOLE_STEP.md").read_text()
-    assert "| 300 | detached |" in text and "Target: ours' generation peak" in text
+    text = (first / "WHOLE_STEP.md").read_text()
+    assert "| 300 | detached |" in text and "| 300 | stock_best |" in text and "Target: ours' generation peak" in text
+    assert "| 300 | detached | stock_best |" in text  # the ratio row against stock's best setting
+
+    second = tmp_path / "second"
+    merge = ["--impls", "exact", "--merge", str(first / "whole_step.json"), "--out", str(second)]
+    proc = subprocess.run(cmd + merge, capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = json.loads((second / "whole_step.json").read_text())
+    assert len(merged["runs"]) == 2 and merged["runs"][1] == raw["runs"][0]
+    runs = {r["impl"]: r["run"] for r in merged["records"]}
+    assert runs == {"exact": 1, "stock": 2, "stock_best": 2, "detached": 2}
+    text = (second / "WHOLE_STEP.md").read_text()
+    assert "| 300 | exact |" in text and "| 300 | exact | stock_best |" in text
 
 
 @pytest.mark.slow

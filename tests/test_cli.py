@@ -3,12 +3,14 @@
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from trl_longstraw import cli
 from trl_longstraw.hub import export
@@ -188,6 +190,25 @@ def test_recipe_saves_the_final_model_and_its_card(tmp_path):
     assert "fine-tuned version of `longstraw/tiny-llama`" in card and "None" not in card
     assert "mode (`prompt_gradient`): `exact`" in card and "chunks of 32 tokens" in card
     assert "hardware: 1 process on CPU" in card
+
+
+def test_peft_warmup_trains_the_adapter_not_the_base(tmp_path):
+    """With --use_peft the warm-up trains the adapter (what is saved and resumed); the base weights stay the ones
+    loaded from the model's path. GRPO's learning rate is 0, so the adapter's change is the warm-up's."""
+    from transformers import AutoModelForCausalLM
+
+    argv = small(
+        tmp_path, "--max_steps", "1", "--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"
+    )
+    argv += ["--warmup_sft_steps", "2", "--warmup_sft_batch_size", "4", "--learning_rate", "0"]
+    trainer = cli.train(*cli.parse(argv))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-model").state_dict()
+    base = trainer.accelerator.unwrap_model(trainer.model).get_base_model().state_dict()
+    lora_b = [value for name, value in base.items() if "lora_B" in name]
+    assert lora_b and all(value.abs().sum() > 0 for value in lora_b), "the warm-up trained the adapter"
+    for name, value in loaded.items():
+        key = re.sub(r"([qv]_proj)\.weight", r"\1.base_layer.weight", name)
+        assert torch.equal(base[key], value), f"{name} changed"
 
 
 # ------------------------------------------------------------------------------------------------ summary

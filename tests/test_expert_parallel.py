@@ -39,6 +39,8 @@ from trl_longstraw.testing import build_tokenizer, save_tiny_model, tiny_config
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds for the whole 2-process launch; ~30 s on 2 busy cores.
 LAUNCH_TIMEOUT = 300
+# The generation worker (tests/ep_generate_worker.py): ~80 s on 2 busy cores, 5 min under a load average of 30.
+GENERATE_TIMEOUT = 600
 RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached", "ep_lora_exact", "ep_dp_exact", "ep_dp_detached"]
 FAMILIES = ["glm_moe_dsa", "qwen3_moe"]
 # Run with FSDP2's CPU offload -> the same run without it.
@@ -338,3 +340,82 @@ def test_model_init_kwargs_for_trl(tiny_model_path):
     args.expert_parallel_size = 8
     with pytest.raises(ValueError, match="must divide the 4 experts"):
         prepare(str(tiny_model_path("glm_moe_dsa")), args)
+
+
+# ------------------------------------------------------------------------------------------- generation under EP
+@pytest.fixture(scope="module", params=FAMILIES)
+def generate_launch(request, tiny_model_path, tmp_path_factory):
+    """Runs tests/ep_generate_worker.py on 2 processes; returns every rank's results."""
+    tmp = tmp_path_factory.mktemp(f"ep-generate-{request.param}")
+    if request.param == "qwen3_moe":
+        path = save_tiny_model(tmp / "model", "qwen3_moe", **QWEN3_MOE_TINY)
+    else:
+        path = tiny_model_path(request.param)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(ROOT / "tests" / "ep_generate_worker.py"), str(path), str(tmp / "out.pt")]
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=GENERATE_TIMEOUT)
+    except subprocess.TimeoutExpired:  # a hang: a rank decoded a step the other did not
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the 2-process generation did not finish in {GENERATE_TIMEOUT} s:\n{output[-4000:]}")
+    out = tmp / "out.pt"
+    assert proc.returncode == 0 and out.exists(), f"the 2-process generation failed:\n{output[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(GENERATE_TIMEOUT + 60)
+@pytest.mark.parametrize("mode", ["sharded", "data_parallel"])
+def test_expert_parallel_generation_equals_generate(generate_launch, mode):
+    """Under expert parallelism (every decoding forward runs the experts' all-to-alls over both ranks), the trainer's
+    shared-prompt generation gives single-process transformers' greedy `generate` token for token, with the prompt
+    state sharded over both ranks and in data parallelism (2 and 3 distinct prompts per rank, of 1 to 13 tokens in
+    chunks of 3, left-padded). Rank 0's rows end steps before rank 1's: both ranks run the same decoding forwards and
+    collectives (no hang); in data parallelism the rank with less to do runs filler prefills and steps."""
+    ranks = [result["generation"][mode] for result in generate_launch]
+    for rank, result in enumerate(ranks):
+        assert result["got"] == result["expected"], f"rank {rank}"
+        assert result["lockstep"] == (mode == "data_parallel")
+    # Ragged: rank 0's rows all end before rank 1's longest.
+    assert max(map(len, ranks[0]["expected"])) < max(map(len, ranks[1]["expected"]))
+    assert ranks[0]["forwards"] == ranks[1]["forwards"]
+    assert ranks[0]["collectives"] == ranks[1]["collectives"]
+    names = {name for name, _ in ranks[0]["collectives"]}
+    assert {"ep_all_to_all_single", "all_reduce"} <= names
+    if mode == "data_parallel":
+        assert ranks[0]["fillers"] > 0, "rank 0 finished first: it should step on with fillers"
+    else:
+        assert ranks[0]["fillers"] == ranks[1]["fillers"] == 0  # the shard group steps its own rows in lockstep
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(GENERATE_TIMEOUT + 60)
+def test_expert_parallel_train_step_generates_once_per_prompt(generate_launch):
+    """A whole `train()` step under expert parallelism (beta = 0, num_iterations = 1) generates through the shared-
+    prompt path: each prompt position is embedded once in generation (stock: once per completion), summed over the
+    ranks. Without a sharded state (one prompt per rank, 11 and 5 tokens), the loss pass takes generation's state:
+    once per prompt and step in detached mode, twice in exact mode. With the sharded state, in the GLM-5.2 config's
+    shape (exact mode, LoRA, gradient checkpointing), every rank runs each prefill and reverse chunk (or its own
+    chunks under context parallelism), and the loss pass prefills again unless it took generation's state
+    (`longstraw/prompt_positions_reused`), then runs the reverse pass."""
+    steps = [result["train"] for result in generate_launch]
+
+    def summed(run: str, part: str) -> list[set[int]]:
+        per_prompt = zip(*(rank[run][part] for rank in steps), strict=True)
+        return [{sum(counts) for counts in zip(*ranks, strict=True)} for ranks in per_prompt]
+
+    for run in ("dp_detached", "dp_exact", "sharded"):
+        assert all(rank[run]["global_step"] == 1 for rank in steps)
+    assert summed("dp_detached", "generation") == [{1}, {1}]
+    assert summed("dp_detached", "step") == [{1}, {1}]
+    assert summed("dp_exact", "step") == [{2}, {2}]
+    assert all(rank["dp_detached"]["reused"] > 0 for rank in steps)
+    ranks_per_position = 1 if steps[0]["sharded"]["context_parallel"] else 2
+    assert summed("sharded", "generation") == [{ranks_per_position}]
+    loss_prefills = 0 if steps[0]["sharded"]["reused"] > 0 else 1
+    assert summed("sharded", "step") == [{ranks_per_position * (1 + loss_prefills + 1)}]

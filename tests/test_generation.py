@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from peft import LoraConfig
 from tolerances import LOGP_ATOL
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from trl_longstraw.engine import PromptGroup
 from trl_longstraw.generation import generation_config_for_decoder, shared_prompt_decoder
 from trl_longstraw.testing import save_tiny_model
 
@@ -52,17 +54,17 @@ class Recorder(LogitsProcessor):
         return scores
 
 
-def stock_and_ours(trainer, text: str, pad: int, rows: int, seed: int = 123, **settings):
+def stock_and_ours(trainer, text: str, pad: int, rows: int, seed: int = 123, offset: int = 0, **settings):
     """`generate` on `rows` copies of `text` left-padded by `pad`, with stock's `_sample` loop and with the
-    shared-prompt decoder, from the same seed. Returns per loop the output ids `[rows, width + T]` and the processed
-    scores `[rows, V]` of every step."""
+    shared-prompt decoder (placing the first prompt token at `offset`), from the same seed. Returns per loop the
+    output ids `[rows, width + T]` and the processed scores `[rows, V]` of every step."""
     model = trainer.model
     prompt = trainer.processing_class(text=text)["input_ids"]
     ids = torch.tensor([[0] * pad + prompt] * rows)
     mask = torch.tensor([[0] * pad + [1] * len(prompt)] * rows)
     config = GenerationConfig(pad_token_id=0, eos_token_id=[1], disable_compile=True, **settings)
     outputs = []
-    for custom in (None, shared_prompt_decoder(trainer._engine(model), torch.tensor(prompt))):
+    for custom in (None, shared_prompt_decoder(trainer._engine(model), torch.tensor(prompt), offset=offset)):
         recorder = Recorder()
         torch.manual_seed(seed)
         with torch.no_grad():
@@ -126,6 +128,36 @@ def test_greedy_decoding_against_the_prompt_state_equals_stock(tiny_model_path, 
     # Step by step: the decoded distribution is stock's, not only its argmax.
     steps = stock_and_ours(ours, LONG_ROWS[0], pad=3, rows=2, max_new_tokens=6, do_sample=False)
     assert_same_steps(*steps)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
+def test_decoding_at_the_loss_pass_positions_follows_stock(tiny_model_path, tmp_path, family):
+    """A left-padded prompt whose state is offered to the loss pass is prefilled after its padding, where the loss
+    pass places it, and decodes at the positions that follow: every step's processed distribution is `generate`'s
+    (positions from 0) within LOGP_ATOL, with the same greedy and sampled tokens; the offered state is the loss
+    pass's own prefill, bit for bit. (GLM samples with a dense top-k, as in `test_sampling_is_stocks_sampler`.)"""
+    text = LONG_ROWS[0]
+    _, ours = make_pair(tiny_model_path(family), longstraw={"prefill_chunk_size": 3})
+    assert_same_steps(*stock_and_ours(ours, text, pad=5, rows=2, offset=5, max_new_tokens=6, do_sample=False))
+    dense = save_tiny_model(tmp_path, family, index_topk=64) if family == "glm_moe_dsa" else tiny_model_path(family)
+    _, sampler = make_pair(dense, longstraw={"prefill_chunk_size": 3})
+    sampled = stock_and_ours(sampler, text, pad=5, rows=3, offset=5, max_new_tokens=6, do_sample=True, temperature=1.3)
+    assert_same_steps(*sampled)
+    engine = ours._engine(ours.model)
+    prompt = torch.tensor(ours.processing_class(text=text)["input_ids"])
+    decoder = shared_prompt_decoder(engine, prompt, offer=True, boundaries=True, offset=5)
+    ids = torch.cat([torch.zeros(5, dtype=torch.long), prompt])[None]
+    mask = torch.tensor([[0] * 5 + [1] * len(prompt)])
+    config = generation_config_for_decoder(GenerationConfig(max_new_tokens=3, pad_token_id=0, eos_token_id=[1]))
+    with torch.no_grad():
+        ours.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, custom_generate=decoder)
+    ((key, offered),) = engine.held().items()
+    assert key[0] == 5
+    with torch.no_grad():
+        expected = engine.prefill(PromptGroup(tokens=prompt, pad=5, rows=[0]), boundaries=True)
+    assert offered.chunk_lengths == expected.chunk_lengths and offered.boundaries
+    got, want = list(offered.tensors()), list(expected.tensors())
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_greedy_with_repetition_penalty_equals_stock(tiny_model_path):
@@ -271,14 +303,41 @@ def test_shared_generation_off_is_stock(tiny_model_path):
     assert engine.stats.prompt_positions == 0
 
 
+@pytest.mark.parametrize(
+    ("fsdp", "shard_world", "shared"),
+    [(True, 1, False), (True, None, True), (True, 2, True), (False, 1, True), (False, None, True)],
+)
+def test_generation_path_on_two_processes(tiny_model_path, monkeypatch, fsdp, shard_world, shared):
+    """The generation path the trainer picks on 2 processes. Under FSDP2 (accelerate's, or transformers' under expert
+    parallelism) every forward issues collectives, so all ranks must decode in one lockstep: shared-prompt generation
+    with the prompt state sharded over both ranks or not sharded (the data-parallel lockstep); shard groups of one
+    rank fall back to transformers' generate with a warning naming the fix. Without FSDP2, forwards issue no
+    collective (DDP): shared-prompt generation whatever the groups."""
+    import trl_longstraw.trainer as trainer_module
+
+    _, ours = make_pair(tiny_model_path("llama"), generation_kwargs=GREEDY)
+    monkeypatch.setattr(trainer_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(trainer_module.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(ours, "is_fsdp_enabled", fsdp)
+    ours._prompt_shards = None if shard_world is None else SimpleNamespace(world=shard_world)
+    ours.args.shard_prompt_state = shard_world is not None
+    warnings: list[str] = []
+    monkeypatch.setattr(trainer_module.logger, "warning", warnings.append)
+    ours._choose_generation()
+    assert ours._shared_generation is shared
+    assert len(warnings) == (0 if shared else 1)
+    if warnings:
+        assert "synced_gpus" in warnings[0] and "prompt_shard_group_size=0" in warnings[0]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
 def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, family):
     """2 processes (gloo), `shard_prompt_state=True`: each rank holds half of every prompt's attention records and
     decodes its own rows of the same prompts (tests/decode_worker.py). Greedy completions equal `generate`'s, on DDP
-    and on FSDP2 (synced_gpus); sampled rows follow `_sample` step by step on each rank's rows and seed; the prompt
-    states are never written."""
+    and on FSDP2 (synced_gpus), and on FSDP2 without a sharded state (other prompts per rank, in lockstep); sampled
+    rows follow `_sample` step by step on each rank's rows and seed; the prompt states are never written."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -291,6 +350,9 @@ def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, fami
         got, expected = result["greedy"]
         assert got == expected, f"rank {rank}"
         assert result["fsdp2_greedy"] == expected, f"rank {rank}: FSDP2 (synced_gpus, per-layer gathers)"
+        assert result["peft_synced_gpus"], f"rank {rank}: generate would not run an FSDP2 PEFT model in lockstep"
+        dp_got, dp_expected = result["fsdp2_data_parallel"]
+        assert dp_got == dp_expected, f"rank {rank}: FSDP2 without a sharded state (data-parallel lockstep)"
         assert len({len(c) for c in got}) > 1, "completions of different lengths (EOS midway)"
         assert result["unchanged"], f"rank {rank}: decoding wrote the prompt state"
         # The 13-token prompt (4 chunks of 3 before its last token): this rank holds 2 of its chunks' records.

@@ -269,17 +269,80 @@ def test_largest_positions_is_exact(preset_stats, name, mode, shard):
 def test_branch_round_exchange_is_counted(preset_stats):
     """A sharded branch round gathers every rank's queries of one attention layer and returns fp32 partial outputs:
     GLM-5.2's absorbed MLA queries are 64 heads x (512 + 64) wide, its partial latents 64 x 512. The branch graph
-    grows by that exchange, linearly in the number of ranks; unsharded it has none."""
+    grows by that exchange, linearly in the number of ranks up to `glm_moe_dsa.EXCHANGE_ROWS` gathered queries, the
+    slices in which GLM exchanges them; unsharded it has none."""
+    from trl_longstraw.glm_moe_dsa import EXCHANGE_ROWS
+
     _, stats = preset_stats["glm-5.2"]
     assert stats.query_exchange == (64 * 576, 64 * 512)
-    setup = Setup(positions=100_000, gpus=8, completion_length=1000, shard_prompt_state=True)
+    setup = Setup(positions=100_000, gpus=2, completion_length=1000, shard_prompt_state=True)
 
     def branch(**changes):
         return _item(estimate(stats, replace(setup, **changes)), "branch graph")
 
-    per_rank = 1000 * (64 * 576 * setup.compute_bytes + 3 * (64 * 512 + 1) * 4)
-    assert branch(gpus=16) - branch() == 8 * per_rank
-    assert branch() - branch(shard_prompt_state=False) == 8 * per_rank
+    per_query = 64 * 576 * setup.compute_bytes + 3 * (64 * 512 + 1) * 4
+    assert branch(gpus=4) - branch() == 2 * 1000 * per_query
+    assert branch() - branch(shard_prompt_state=False) == 2 * 1000 * per_query
+    assert 4 * 1000 <= EXCHANGE_ROWS < 8 * 1000
+    assert branch(gpus=8) - branch(shard_prompt_state=False) == EXCHANGE_ROWS * per_query
+    assert branch(gpus=32) == branch(gpus=8)
+
+
+def test_context_parallel_round_exchange_is_counted(preset_stats):
+    """A context-parallel round of GLM-5.2 gathers every rank's chunk rows of one layer (512 + 64 latent and rope key,
+    128 index key; with their gradient in the reverse pass) and exchanges the prefix like a branch round, at most
+    `EXCHANGE_ROWS` queries at a time; the chunk activations grow by that, and unsharded they have none."""
+    from trl_longstraw.glm_moe_dsa import EXCHANGE_ROWS
+
+    _, stats = preset_stats["glm-5.2"]
+    assert stats.round_row_elems == 512 + 64 + 128
+    setup = Setup(positions=100_000, gpus=8, prefill_chunk_size=1024, shard_prompt_state=True)
+    per_query = 64 * 576 * setup.compute_bytes + 3 * (64 * 512 + 1) * 4
+
+    def chunk(**changes):
+        return _item(estimate(stats, replace(setup, **changes)), "chunk activations")
+
+    for mode, copies in (("exact", 2), ("detached", 1)):
+        rows = 8 * 1024 * (512 + 64 + 128) * setup.compute_bytes * copies
+        assert chunk(mode=mode) - chunk(mode=mode, shard_prompt_state=False) == rows + EXCHANGE_ROWS * per_query
+
+
+def test_context_parallel_exchange_is_counted(preset_stats):
+    """A context-parallel round (Qwen3.6-27B: 24 query heads of 256, at W = 8 and chunks of 4096 in bf16) exchanges,
+    for one attention layer at a time, the W * chunk queries and fp32 partial outputs of the round: forward 2.8 GB,
+    backward (exact mode's reverse pass) 4.4 GB, counted in the chunk activations; an unsharded state has none, nor
+    has a DeltaNet head count that the group does not divide (replicated passes). GLM-5.2's rounds exchange MLA rows
+    instead (`round_row_elems`, tested with its own term)."""
+    _, stats = preset_stats["qwen3.6-27b"]
+    assert stats.context_parallel_heads == 16 and preset_stats["glm-5.2"][1].context_parallel_heads == -1
+    tokens, q, heads = 8 * 4096, 24 * 256, 24
+    forward = tokens * (q * 2 + 3 * (q + heads) * 4)  # gathered bf16 queries; fp32 parts computed, packed, received
+    backward = tokens * ((3 * q + heads) * 4 + q * 2 + 2 * q * 4)  # gathered q | dout | out | lse, q cast, dq shares
+    assert (round(forward / 1e9, 1), round(backward / 1e9, 1)) == (2.8, 4.4)
+    setup = Setup(positions=500_000, gpus=8, shard_prompt_state=True, prefill_chunk_size=4096)
+
+    def chunk(stats=stats, **changes):
+        return _item(estimate(stats, replace(setup, **changes)), "chunk activations")
+
+    assert chunk() - chunk(shard_prompt_state=False) == backward
+    assert chunk(mode="detached") - chunk(mode="detached", shard_prompt_state=False) == forward
+    assert chunk(gpus=6) == chunk(gpus=6, shard_prompt_state=False)  # 16 DeltaNet key heads over 6 ranks: replicated
+
+
+def test_attention_reuse_switch_is_counted(preset_stats):
+    """`reverse_attention_reuse=False` (`--no-attention-reuse`): the reverse pass keeps no attention outputs, so its
+    chunk activations drop by 16 full-attention layers x 24 heads x (256 bf16 + one fp32 log-sum-exp) per token, and
+    the longest prompt grows; the switch is suggested when the run does not fit."""
+    _, stats = preset_stats["qwen3.6-27b"]
+    setup = Setup(positions=500_000, gpus=8, shard_prompt_state=True, prefill_chunk_size=4096)
+    kept = _item(estimate(stats, setup), "chunk activations")
+    plain = _item(estimate(stats, replace(setup, attention_reuse=False)), "chunk activations")
+    assert stats.kept_attention == (16 * 24 * 256, 16 * 24)
+    assert kept - plain == 4096 * 16 * 24 * (256 * 2 + 4)
+    assert largest_positions(stats, replace(setup, attention_reuse=False)) > largest_positions(stats, setup)
+    detached = replace(setup, mode="detached")
+    without = replace(detached, attention_reuse=False)
+    assert estimate(stats, detached).to_allocate == estimate(stats, without).to_allocate
 
 
 def test_layer_by_layer_gather_without_sharded_state(preset_stats):
@@ -308,16 +371,17 @@ def test_data_parallel_row_fits(capsys):
 
 
 def test_shard_groups_smaller_than_the_gpus(preset_stats):
-    """Groups of 8 of 32 GPUs split the state 8 ways, exchange queries over 8 ranks, and run different passes
-    across groups, so FSDP2 holds the whole model and its gradient (unlike without sharding)."""
+    """Groups of 8 of 32 GPUs split the state 8 ways and exchange queries over 8 ranks; their passes are padded to the
+    world's, so FSDP2 gathers layer by layer as with one group of all GPUs or no sharded state (the root module and
+    two layers, not GLM-5.2's 1.5 TB in bf16)."""
     stats = _glm_lora(preset_stats)
     setup = replace(_h200x32("exact", True), positions=100_000)
     grouped = {i.name: i for i in estimate(stats, replace(setup, shard_group=8)).items}
     whole = {i.name: i for i in estimate(stats, setup).items}
     unsharded = {i.name: i for i in estimate(stats, replace(setup, shard_prompt_state=False)).items}
-    assert grouped["FSDP all-gathered"].nbytes == (stats.total_params + stats.trainable_params) * 2
-    assert grouped["FSDP all-gathered"].nbytes > 10 * whole["FSDP all-gathered"].nbytes
-    assert unsharded["FSDP all-gathered"].nbytes == whole["FSDP all-gathered"].nbytes
+    assert grouped["FSDP all-gathered"] == whole["FSDP all-gathered"] == unsharded["FSDP all-gathered"]
+    assert grouped["FSDP all-gathered"].nbytes < (stats.total_params + stats.trainable_params) * 2 / 10
+    assert grouped["FSDP all-gathered"].detail.startswith("per pass")
     assert "sharded /8" in grouped["prompt state"].detail and "sharded /32" in whole["prompt state"].detail
     assert "across the 8 ranks" in grouped["branch graph"].detail
 
@@ -596,6 +660,22 @@ def test_offload_moves_cold_state_to_the_host(preset_stats):
     # Detached mode keeps no boundaries: nothing to offload there.
     detached = estimate(stats, replace(setup, mode="detached", offload_boundary_states=True))
     assert not [i for i in detached.host if i.name == "boundary states"]
+
+
+def test_host_memory_is_checked_by_default(capsys):
+    """Without --host-memory the CLI checks the offloaded items against a DGX H100/H200 node's 2 TB (250 GB per
+    process of the node); `--host-memory none` skips the check; a budget below the offloaded items refuses."""
+    argv = ["--model", "qwen3.6-27b", "--positions", "2.1M", "--gpus", "8", "--mode", "exact"]
+    argv += ["--shard-prompt-state", "--offload"]
+    assert plan.default_host_memory(8, 8) == 2 * 10**12 and plan.default_host_memory(2, 8) == 5 * 10**11
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "host memory            1.82 TiB  (default: 250 GB per process" in out
+    assert plan.main(argv + ["--host-memory", "none"]) == 0
+    assert "not checked (--host-memory none)" in capsys.readouterr().out
+    assert plan.main(argv + ["--host-memory", "400GB"]) == 3
+    assert "DOES NOT FIT in host memory" in capsys.readouterr().out
+    assert plan.main(argv + ["--gpus-per-node", "1"]) == 0  # 250 GB for one process's 59 GiB
 
 
 # -------------------------------------------------------------------------------------------------- calibration

@@ -2,15 +2,23 @@
 
 A full step with beta > 0 and num_iterations = 2 generates, scores old-policy log-probs, scores reference log-probs
 and computes the loss. Each prompt position is counted every time a model's backbone runs it: the prompt tokens of
-the two prompts are all distinct and the prompts have equal length (no padding), so a token at a position before the
-last prompt token identifies one position of one prompt. Stock runs every prompt G times in each of the four passes.
+the prompts are all distinct, so a prompt token (before the last) run at its own position identifies one position of
+one prompt. A prompt shorter than the longest of its generation batch is left-padded by `pad` tokens, and its token
+`j` counts at position `j` (`generate`'s numbering) and at `pad + j` (the loss pass's, stock's forward over the
+padded row). Stock runs every prompt G times in each of the four passes.
 """
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from grpo_pair import make_pair
+from grpo_pair import assert_grads_close, make_pair, position_reward
 from peft import LoraConfig
-from transformers import TrainerCallback
+from tolerances import SHARDED_GRAD_RTOL
+from transformers import TrainerCallback, set_seed
 
 # Seven tokens each, no token shared: positions 0..5 (prompt[:-1]) of each prompt are counted.
 PROMPTS = ["a b c d e f g", "h i j k l m n"]
@@ -18,22 +26,30 @@ G = 3
 
 
 class PositionCounter:
-    """Counts, per token id, how often a backbone runs it at a position before the last prompt token."""
+    """Counts, per prompt token id, how often a backbone runs it at one of its positions (`positions[token]`)."""
 
-    def __init__(self, backbone, prompt_length: int):
-        self.prompt_length = prompt_length
+    def __init__(self, backbone, positions: dict[int, set[int]]):
+        self.positions = positions
         self.counts: dict[int, int] = {}
         self.handle = backbone.register_forward_pre_hook(self.hook, with_kwargs=True)
 
     def hook(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         positions = kwargs.get("position_ids")
-        if positions is None:  # stock's scoring forward, without a cache: positions 0..T-1 of the unpadded rows
+        if positions is None:  # stock's scoring forward, without a cache: positions 0..T-1 of the padded rows
             positions = torch.arange(input_ids.shape[1])[None]
         positions = positions.expand_as(input_ids)
         for token, position in zip(input_ids.flatten().tolist(), positions.flatten().tolist(), strict=True):
-            if position < self.prompt_length - 1:
+            if position in self.positions.get(token, ()):
                 self.counts[token] = self.counts.get(token, 0) + 1
+
+
+def prompt_positions(prompt_tokens: list[list[int]], width: int | None = None) -> dict[int, set[int]]:
+    """Where each counted token (all but the last of each prompt) runs: at `j` and, left-padded to `width` (default
+    the longest prompt), at `pad + j`."""
+    width = width or max(map(len, prompt_tokens))
+    assert len({t for ts in prompt_tokens for t in ts}) == sum(map(len, prompt_tokens)), "prompt tokens must differ"
+    return {t: {j, width - len(ts) + j} for ts in prompt_tokens for j, t in enumerate(ts[:-1])}
 
 
 def passes(counter: PositionCounter, prompt_tokens: list[list[int]]) -> list[int]:
@@ -59,13 +75,14 @@ class Snapshot(TrainerCallback):
 
 
 def run(trainer, separate_ref: bool, prompts: list[str] = PROMPTS):
+    """`trainer.train()`; per optimizer step, per model, how many times each prompt's positions ran. Every
+    generation batch holds all of `prompts`."""
     tokens = [trainer.processing_class(text=p)["input_ids"] for p in prompts]
-    assert len({len(t) for t in tokens}) == 1 and len({t for ts in tokens for t in ts}) == sum(map(len, tokens))
-    length = len(tokens[0])
+    positions = prompt_positions(tokens)
     policy = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-    counters = {"policy": PositionCounter(policy.base_model, length)}
+    counters = {"policy": PositionCounter(policy.base_model, positions)}
     if separate_ref:
-        counters["ref"] = PositionCounter(trainer.ref_model.base_model, length)
+        counters["ref"] = PositionCounter(trainer.ref_model.base_model, positions)
     snapshot = Snapshot(counters, tokens)
     trainer.add_callback(snapshot)
     trainer.train()
@@ -170,3 +187,120 @@ def test_each_prompt_of_a_micro_batch_runs_once(tiny_model_path, k, mode):
     )
     once = 1 if mode == "detached" else 2
     assert run(ours, separate_ref=False, prompts=prompts) == [{"policy": [once] * k}] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("family", DECODING_FAMILIES)
+def test_one_prefill_per_step_with_left_padded_prompts(tiny_model_path, family, mode):
+    """TRL's defaults with prompts of different lengths in one generation batch (7 and 4 tokens, chunks of 4): the
+    shorter one is left-padded by 3. Generation prefills it at the loss pass's positions (after its padding) and the
+    loss pass takes that state, so each prompt still runs once per step (detached) or twice (exact)."""
+    prompts = ["a b c d e f g", "h i j k"]
+    _, ours = make_pair(
+        tiny_model_path(family),
+        longstraw={"prompt_gradient": mode, "prefill_chunk_size": 4},
+        **settings(prompts=prompts, beta=0.0, num_iterations=1),
+    )
+    once = 1 if mode == "detached" else 2
+    assert run(ours, separate_ref=False, prompts=prompts) == [{"policy": [once, once]}] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", DECODING_FAMILIES)
+def test_one_prefill_per_step_with_a_sharded_prompt_state(tiny_model_path, tmp_path, family):
+    """2 processes (gloo), `shard_prompt_state=True` (tests/offer_worker.py): `train()` with TRL's defaults, one
+    prompt per step, left-padded. The ranks offer and take generation's sharded state together, so the policy runs
+    each prompt position once per step in detached mode and twice in exact mode: on each rank when the passes are
+    replicated, once over the group under context parallelism (each rank runs its own chunks). The gradients equal
+    those of the loss pass that prefills the prompt itself (the offer turned off)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    out = tmp_path / "out.pt"
+    command += [str(root / "tests" / "offer_worker.py"), str(tiny_model_path(family)), str(out)]
+    run_ = subprocess.run(command, env=env, capture_output=True, text=True, timeout=560)
+    assert run_.returncode == 0 and out.exists(), run_.stdout[-4000:] + run_.stderr[-4000:]
+    ranks = torch.load(out, weights_only=False)
+    assert len(ranks) == 2
+    for name, once in (("detached", 1), ("exact", 2), ("exact_no_offer", 3)):
+        runs = [rank[name] for rank in ranks]
+        tokens, cp = runs[0]["tokens"], runs[0]["context_parallel"]
+        assert all(pad > 0 for pad in runs[0]["pads"]), "both prompts should be left-padded"
+        for step in range(2):
+            for prompt, ts in enumerate(tokens):
+                expected = once if prompt == step else 0
+                per_rank = [[r["counts"][step].get(t, 0) for t in ts[:-1]] for r in runs]
+                if cp:
+                    assert [sum(column) for column in zip(*per_rank, strict=True)] == [expected] * (len(ts) - 1), (
+                        name,
+                        step,
+                        per_rank,
+                    )
+                else:
+                    assert per_rank == [[expected] * (len(ts) - 1)] * 2, (name, step, per_rank)
+        offered = name != "exact_no_offer"
+        for r in runs:
+            assert all((p == 0) == offered for p in r["prompt_positions"]), (name, r["prompt_positions"])
+            assert all((p > 0) == offered for p in r["prompt_positions_reused"]), name
+    for rank in ranks:
+        for step, (got, want) in enumerate(zip(rank["exact"]["grads"], rank["exact_no_offer"]["grads"], strict=True)):
+            assert want, "no parameter received a gradient"
+            assert got.keys() == want.keys()
+            for n in want:
+                err = ((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item()
+                assert err <= SHARDED_GRAD_RTOL, f"step {step + 1}, {n}: {err}"
+
+
+class GradsBeforeStep(TrainerCallback):
+    """Records every parameter's gradient before each optimizer step, and the completions of each generation; with
+    `feed`, generation runs (and offers its prompt states) but the completions of the `i`-th are `feed[i]`."""
+
+    def __init__(self, trainer, feed: list | None = None):
+        self.trainer, self.grads, self.completions = trainer, [], []
+        generate = trainer._generate_single_turn
+
+        def recording(*args, **kwargs):
+            completions, logprobs = generate(*args, **kwargs)
+            if feed is not None:
+                completions = feed[len(self.completions)]
+            self.completions.append(completions)
+            return completions, logprobs
+
+        trainer._generate_single_turn = recording
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        named = self.trainer.model.named_parameters()
+        self.grads.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", DECODING_FAMILIES)
+def test_left_padded_offers_give_stocks_gradient(tiny_model_path, family):
+    """Exact mode, TRL's defaults, prompts of 7 and 4 tokens in one generation batch: generation prefills the padded
+    prompt at the loss pass's positions and the loss pass takes both prompts' states; each step's gradient equals
+    stock `GRPOTrainer`'s. Stock samples the whole batch at once and ours prompt by prompt, so ours' generation runs
+    (and offers) but its completions are replaced by stock's, as in tests/test_matrix.py (a prompt's state does not
+    depend on them)."""
+    prompts = ["a b c d e f g", "h i j k"]
+    stock, ours = make_pair(
+        tiny_model_path(family),
+        longstraw={"prompt_gradient": "exact", "prefill_chunk_size": 4},
+        reward=position_reward,
+        **settings(prompts=prompts, beta=0.0, num_iterations=1),
+    )
+    records = {"stock": GradsBeforeStep(stock)}
+    records["ours"] = GradsBeforeStep(ours, feed=records["stock"].completions)
+    for name, trainer in (("stock", stock), ("ours", ours)):
+        trainer.add_callback(records[name])
+        set_seed(0)
+        trainer.train()
+    assert len({len(c) for c in records["stock"].completions[0]}) > 1, "ragged completions"
+    assert len(records["ours"].grads) == len(records["stock"].grads) == 2
+    for ref, got in zip(records["stock"].grads, records["ours"].grads, strict=True):
+        assert sum(g.norm() ** 2 for g in ref.values()) ** 0.5 > 1e-4, "every step should train"
+        assert_grads_close(ref, got)
+    logs = [entry for entry in ours.state.log_history if "loss" in entry]
+    assert all(entry["longstraw/prompt_positions"] == 0 for entry in logs), "the loss pass should take every state"
+    assert all(entry["longstraw/prompt_positions_reused"] > 0 for entry in logs)

@@ -147,6 +147,36 @@ def test_delta_rule_carries_state_across_splits():
         assert _rel(g, ref) <= GRAD_RTOL
 
 
+@pytest.mark.parametrize("length", [1, 63, 150, 1031])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_rule_without_autograd_bounds_its_block_terms(length, dtype, monkeypatch):
+    """Without autograd (prefill, scoring) the within-block terms `[B, H, n, 64, 64]` are built for groups of blocks
+    no larger than the layer's values `[B, H, T, Dv]`, instead of for all blocks at once; the output and final state
+    are the same bits as the recording path's (which builds them at once for its linear backward)."""
+    import trl_longstraw.qwen3_5 as qwen3_5
+
+    inputs = [None if x is None else x.detach().to(dtype) for x in _delta_rule_inputs(length, initial=True)]
+    inputs[-1] = inputs[-1].float()  # the recurrent state stays fp32
+    groups = []
+    block_terms = qwen3_5._block_terms
+
+    def counted(query, *args):
+        groups.append(query.shape[2])
+        return block_terms(query, *args)
+
+    monkeypatch.setattr(qwen3_5, "_block_terms", counted)
+    with torch.no_grad():
+        out, state = torch_gated_delta_rule(*inputs)
+    blocks = -(-length // qwen3_5.DELTA_RULE_BLOCK)
+    # Dv = 8: a group of n blocks of 64 x 64 terms is at most the size of the values when n <= blocks * 8 / 64.
+    assert sum(groups) == blocks and max(groups) == max(1, blocks * 8 // qwen3_5.DELTA_RULE_BLOCK)
+    groups.clear()
+    recording = [x if x is None or i > 0 else x.clone().requires_grad_() for i, x in enumerate(inputs)]
+    ref_out, ref_state = torch_gated_delta_rule(*recording)
+    assert groups == [blocks]
+    assert torch.equal(out, ref_out.detach()) and torch.equal(state, ref_state.detach())
+
+
 def _per_block_nodes(fn, length: int) -> int:
     """Number of `select` and in-place slice-write nodes in the graph of `fn`'s output for a sequence of `length`."""
     out = fn(*_delta_rule_inputs(length, initial=True))[0]

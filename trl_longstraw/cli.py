@@ -265,7 +265,10 @@ def train(
     )
     # GRPOTrainer reads model_init_kwargs again only to build a reference model (beta > 0): give it the policy's.
     training_args.model_init_kwargs = model_init_kwargs if training_args.beta != 0.0 else None
-    if resume is None:  # a resumed run loads its trained weights from the checkpoint
+    peft_config = get_peft_config(model_args)
+    # A resumed run loads its trained weights from the checkpoint. With PEFT the warm-up trains the adapter (after the
+    # trainer adds it), not the base weights: only the adapter is saved and resumed, so a warmed-up base would be lost.
+    if resume is None and peft_config is None:
         warm_up(script_args, model, tokenizer, seed=training_args.seed)
 
     trainer = LongStrawGRPOTrainer(
@@ -274,8 +277,10 @@ def train(
         args=training_args,
         train_dataset=build_dataset(script_args, tokenizer, seed=training_args.seed),
         processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
+        peft_config=peft_config,
     )
+    if resume is None and peft_config is not None:
+        warm_up(script_args, trainer.model, tokenizer, seed=training_args.seed)
     trainer.base_model_name = model_args.model_name_or_path  # for the model card: not the tiny model's folder
     add_heldout_accuracy(trainer, script_args, seed=training_args.seed)
     trainer.train(resume_from_checkpoint=resume)

@@ -38,8 +38,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             unsharded ones up to float rounding.
         prompt_shard_group_size (`int`, *optional*, defaults to `0`):
             Ranks per shard group, consecutive in rank order (e.g. the GPUs of one node); `0` means all processes.
-            Must divide the number of processes. Under FSDP2 only one group of all processes lets FSDP2 gather the
-            model layer by layer; smaller groups make the engine gather it whole.
+            Must divide the number of processes. Under FSDP2 smaller groups pad their passes to the other groups'
+            (one-token filler passes), so FSDP2 gathers the model layer by layer with any group size.
         reverse_checkpointing (`bool`, *optional*, defaults to `True`):
             Exact mode with `gradient_checkpointing`: the reverse pass recomputes each layer of a prompt chunk during
             the chunk's backward, as stock's checkpointing does. `False` keeps the chunk's whole autograd graph
@@ -50,6 +50,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             the reverse pass) in host memory, pinned on CUDA, and bring each back one chunk ahead of the reverse pass
             on a side stream. Gradients are identical; device memory drops by one recurrent state per chunk (147 MiB
             per chunk on Qwen3.6-27B). Models without recurrent layers keep no boundaries and are unaffected.
+        reverse_attention_reuse (`bool`, *optional*, defaults to `True`):
+            Exact mode under gradient checkpointing: the reverse pass keeps each attention layer's output and
+            log-sum-exp from its forward, so that the checkpoint recompute takes them instead of attending (and, with
+            a sharded prompt state, exchanging) again. Bitwise the same gradients; costs one attention output and
+            log-sum-exp per attention layer and chunk token (0.76 GiB per GPU for Qwen3.6-27B at chunks of 4096,
+            `trl_longstraw.plan`). `False`: attend again, for the memory.
         expert_parallel_size (`int`, *optional*, defaults to `1`):
             MoE models (`glm_moe_dsa`, `qwen3_moe`): spread each MoE layer's experts over groups of this many ranks
             through transformers' expert parallelism (`DistributedConfig(ep_size=...)`, the model's
@@ -76,9 +82,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             On the transformers generation path (no vLLM), prefill each distinct prompt once and decode its G samples
             against that one state, instead of `model.generate` on G copies of the prompt. `False` generates with
             transformers' own loop, as `GRPOTrainer` does. The vLLM paths are unchanged either way. With
-            `shard_prompt_state`, the ranks of a shard group decode in lockstep against the sharded state (under FSDP,
-            only with one shard group of every process; otherwise generation falls back to `generate`, with a
-            warning). Generation settings it does not reproduce raise `ValueError` (see `generation.py`).
+            `shard_prompt_state`, the ranks of a shard group decode in lockstep against the sharded state. Under FSDP2
+            (accelerate's, or transformers' under `expert_parallel_size > 1`), where every forward issues collectives,
+            all ranks decode in one lockstep: with one shard group of every process, or without a sharded state
+            (the ranks agree on prefill passes and steps and run filler forwards where they have less to do); with
+            smaller shard groups generation falls back to `generate`, with a warning. Generation settings it does not
+            reproduce raise `ValueError` (see `generation.py`).
     """
 
     prompt_gradient: str = field(
@@ -122,8 +131,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=0,
         metadata={
             "help": "Ranks per prompt shard group, consecutive in rank order (e.g. one node's GPUs); 0 means all "
-            "processes. Must divide the number of processes. Under FSDP2, 0 lets FSDP2 gather the model layer by "
-            "layer; smaller groups make the engine gather it whole."
+            "processes. Must divide the number of processes. Under FSDP2 smaller groups pad their passes to the other "
+            "groups' (one-token fillers), so FSDP2 gathers layer by layer with any group size."
         },
     )
     reverse_checkpointing: bool = field(
@@ -140,6 +149,14 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={
             "help": "Exact mode: keep the recurrent state at each prompt chunk boundary in (pinned) host memory until "
             "the reverse pass, prefetched one chunk ahead. Identical gradients, less device memory."
+        },
+    )
+    reverse_attention_reuse: bool = field(
+        default=True,
+        metadata={
+            "help": "Exact mode with gradient checkpointing: keep each attention layer's output for the reverse "
+            "pass's recompute instead of attending (and exchanging) again. Same gradients, faster; costs one "
+            "attention output per layer and chunk token. False: less memory."
         },
     )
     expert_parallel_size: int = field(

@@ -4,7 +4,8 @@ Without context parallelism every rank of a shard group runs every prefill and r
 attention is split, see `sharding`). With it, the prompt is cut into *rounds* of W consecutive chunks and, in round
 `j`, rank `r` runs chunk `j * W + r` alone: the chunk it owns (`PromptShards.owner`). So each rank runs 1/W of the
 prompt's tokens through every token-wise layer (embeddings, norms, projections, MLPs), in the prefill and in the
-reverse pass, and keeps the records of the chunks it ran.
+reverse pass, and keeps the records of the chunks it ran. MoE layers route each rank's own tokens, also under expert
+parallelism (transformers' `all_to_all` sends every (token, expert) pair to the expert's rank: `expert_parallel`).
 
 Token mixers see the other ranks' chunks of the round through collectives:
 
@@ -16,7 +17,15 @@ Token mixers see the other ranks' chunks of the round through collectives:
   and gates of `H / W` heads for all the round's tokens; it convolves them and runs the delta rule chunk after chunk
   from the conv history and state at the start of the round, as one process does; another all-to-all returns the
   outputs to the token owners, and one all-gather (`gather`) joins the heads' end-of-chunk conv tails and states
-  into whole records.
+  into whole records;
+- MLA with DSA (`glm_moe_dsa`): every rank gathers the round's compressed rows (`kv_lora_rank + qk_rope_head_dim`
+  latent and rope key, and the indexer key: small, one row per token) and numbers them after the prefix; the
+  indexer's top-k over the prefix chunks is taken as in a branch round (every rank's queries scored against each
+  rank's chunks, the candidates merged by the query owners in key order), then over the round's rows causally, so it
+  is the global top-k of one process, ties included; absorbed MLA attends the round's rows locally and the prefix
+  through the branch-round exchange, merged by log-sum-exp. The exchanges run in slices of at most
+  `glm_moe_dsa.EXCHANGE_ROWS` gathered queries (checkpointed with autograd), which bounds their memory whatever the
+  chunk size and group size.
 
 A round's tokens are split as the chunks fall: W chunks of `chunk_size`, and the last round's remainder evenly over
 the ranks (`plan_rounds`); a remainder shorter than W runs as one replicated chunk (every rank runs it, the path

@@ -9,18 +9,15 @@ more passes waiting forever for a partner, unless every rank runs the same passe
   through the wrapper). At the end of a micro-batch the gradients are all-reduced explicitly, in buckets, and
   averaged over the ranks, as DDP does; skipped when the micro-batch runs under `no_sync` (gradient accumulation),
   exactly like DDP.
-- FSDP2 (`fully_shard`) per pass (`fsdp2_gathered(..., per_pass=True)`): the ranks run the same passes in the same
-  order, so FSDP2 gathers, frees and reduce-scatters layer by layer as it was designed to. Either the prompt state is
-  sharded over every process (its passes are lockstep by construction), or, without a sharded state, the ranks agree
-  on the number of passes of each kind per prompt (`agree_pass_counts`, one all-reduce per engine call) and pad
-  theirs with one-token filler passes (the engine's *data-parallel lockstep*). Only the root's own parameters
-  (embeddings, final norm, head) stay gathered for the engine call; the *sync pass* reduces their gradient.
-- FSDP2 gathered (shard groups smaller than the world, which run different passes): at the start of an engine call
-  every FSDP module is unsharded once, in module order, with resharding and gradient reduction switched off, so the
-  passes (including the prompt prefill and reverse pass, which call the decoder layers directly, not the root) issue
-  no collective. Gradients accumulate unsharded, as under FSDP2's own `set_requires_gradient_sync(False)`. Cost: each
-  rank holds the full parameters and full gradients during the engine's work (FSDP2 still shards them, and the
-  optimizer state, between steps).
+- FSDP2 (`fully_shard`) per pass (`fsdp2_gathered`): every rank of the world runs the same passes in the same order,
+  so FSDP2 gathers, frees and reduce-scatters layer by layer as it was designed to. Either the prompt state is
+  sharded over every process (its passes are lockstep by construction), or the ranks agree on the number of passes
+  of each kind per prompt slot (`agree_pass_counts`, one all-reduce over the world per engine call) and pad theirs
+  with one-token filler passes: without a sharded state (the engine's *data-parallel lockstep*), or with shard groups
+  smaller than the world, where each group runs its own lockstep (its sharded attention's collectives stay inside
+  the group) and the fillers, which never touch the sharded attention, pad it to the other groups' passes. Only the
+  root's own parameters (embeddings, final norm, head) stay gathered for the engine call; the *sync pass* reduces
+  their gradient.
 
 A micro-batch that must synchronize ends, under FSDP2, with one *sync pass*: a one-token forward and backward through
 the root with weight zero, identical on every rank, under the reduction settings the caller had (so `no_sync`, HSDP's
@@ -60,13 +57,15 @@ def fsdp2_root(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def agree_pass_counts(counts: list[tuple[int, int, int]], slots: int, device) -> list[tuple[int, int, int]]:
-    """The pass counts every rank of the world runs in one engine call of the data-parallel lockstep.
+    """The pass counts every rank of the world runs in one engine call of the world lockstep (data-parallel, or
+    across shard groups smaller than the world).
 
     One all-reduce (max) of a `[slots, 3]` tensor: every rank passes the same `slots` (the rows of its micro-batch,
     an upper bound on its prompts; TRL gives every process the same number of rows).
 
     Args:
-        counts: for each prompt this rank runs, in its order, `(prefill chunks, branch passes, reverse chunks)`.
+        counts: for each prompt this rank runs, in its order, `(prefill passes, branch passes, reverse passes)`
+            (chunks or context-parallel rounds; a sharded group's branch rounds).
         slots: at least `len(counts)` on every rank.
         device: where the collective's tensor lives (the backend's device).
 
@@ -168,17 +167,16 @@ _GROUP_FLAGS = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grad
 
 
 @contextlib.contextmanager
-def fsdp2_gathered(model: torch.nn.Module, sync_pass: Callable[[], None] | None = None, per_pass: bool = False):
-    """Runs the engine's passes of the block under FSDP2, then reduces the gradients they accumulated.
+def fsdp2_gathered(model: torch.nn.Module, sync_pass: Callable[[], None] | None = None):
+    """Runs the engine's passes of the block under FSDP2 pass by pass, then reduces the gradients they accumulated.
 
-    Default (*gathered*): every FSDP2 module of `model` is unsharded once, with no collective in the passes'
-    forwards and backwards, so ranks may run different numbers of passes. With `per_pass`, only the root module's
-    own parameters (embeddings, final norm, head: the prefill and reverse pass call the backbone, not the root) stay
-    gathered; every other module is all-gathered and resharded by FSDP2 around each pass and reduce-scatters its
-    gradient after each backward (unless the caller turned gradient sync off), so a rank never holds more than a
-    couple of layers' parameters and gradients. That issues collectives in every pass: the caller guarantees that
-    every rank of the FSDP mesh runs the same passes, of the same kinds in the same order (the sharded prompt
-    state's lockstep, or the engine's data-parallel lockstep with `agree_pass_counts`).
+    Only the root module's own parameters (embeddings, final norm, head: the prefill and reverse pass call the
+    backbone, not the root) stay gathered for the block; every other module is all-gathered and resharded by FSDP2
+    around each pass and reduce-scatters its gradient after each backward (unless the caller turned gradient sync
+    off), so a rank never holds more than a couple of layers' parameters and gradients. That issues collectives in
+    every pass: the caller guarantees that every rank of the FSDP mesh runs the same passes, of the same kinds in the
+    same order (the sharded prompt state's lockstep over every process, or the engine's lockstep over the world with
+    `agree_pass_counts`).
 
     With `sync_pass` (a callable running one zero-weight forward and backward through the root), the gradients the
     block accumulated unreduced are then reduced with the caller's reduction settings, if those ask for a reduction.
@@ -193,35 +191,27 @@ def fsdp2_gathered(model: torch.nn.Module, sync_pass: Callable[[], None] | None 
     root._get_fsdp_state()._lazy_init()
     groups = list(_param_groups(root))
     saved = [{name: getattr(g, name) for name in _GROUP_FLAGS + ("reduce_scatter_unused_params",)} for g in groups]
-    modules = [m for m in root.modules() if isinstance(m, _fsdp_module_class())]
-    if per_pass:
-        held, modules = _param_groups_of(root), [root]
-        # A MoE expert unused on one rank still joins every reduce-scatter, so the ranks' collectives match.
-        for g in groups:
-            g.reduce_scatter_unused_params = True
-    else:
-        held = groups
+    # A MoE expert unused on one rank still joins every reduce-scatter, so the ranks' collectives match.
+    for g in groups:
+        g.reduce_scatter_unused_params = True
     try:
-        for g in held:
+        for g in _param_groups_of(root):
             g.post_forward_mesh_info = None  # no reshard after forward
             g.reshard_after_backward = False
             g.reduce_grads = False
             g.all_reduce_grads = False
-        for m in modules:  # gathered: the only all-gathers, once per module, in the same order on every rank
-            m.unshard()
+        root.unshard()
         yield
         if sync_pass is not None and any(s["reduce_grads"] for s in saved):
             for g, s in zip(groups, saved, strict=True):
                 g.reduce_grads = s["reduce_grads"]
                 g.all_reduce_grads = s["all_reduce_grads"]
-                g.reduce_scatter_unused_params = True
             sync_pass()
     finally:
         for g, s in zip(groups, saved, strict=True):
             for name, value in s.items():
                 setattr(g, name, value)
-        for m in modules:
-            m.reshard()
+        root.reshard()
 
 
 def fsdp2_offloads(model: torch.nn.Module) -> bool:

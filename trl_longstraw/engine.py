@@ -315,10 +315,11 @@ class Slot:
     """One prompt of an engine call, in the order of `Engine._schedule`.
 
     Attributes:
-        group: the prompt; None on a rank that has no prompt left in the data-parallel lockstep (fillers only).
+        group: the prompt; None on a rank that has no prompt left in the world lockstep (fillers only).
         rows: its branch rows; `None` is a zero-weight filler branch (sharded lockstep, one branch per round).
-        passes: data-parallel lockstep only: how many passes of each kind (`PREFILL`, `BRANCH`, `REVERSE`) every rank
-            runs for this slot, its own first, then fillers (`Engine._pad`).
+        passes: world lockstep only (`Engine.lockstep`): how many passes of each kind (`PREFILL`, `BRANCH`,
+            `REVERSE`) every rank runs for this slot, its own (a sharded group's branch rounds included) first, then
+            fillers (`Engine._pad`).
     """
 
     group: PromptGroup | None
@@ -348,10 +349,9 @@ class Engine:
 
     Args:
         model: what is called for a branch: the (possibly wrapped) causal LM with TRL's fused LM head. Under DDP
-            the module inside the wrapper is called instead. Under FSDP2 the ranks run the same passes (the sharded
-            state's lockstep, or the data-parallel one: see `lockstep`), so FSDP2 gathers and frees the layers pass
-            by pass; with shard groups smaller than the world, every pass runs on parameters gathered once per call
-            (see `distributed`).
+            the module inside the wrapper is called instead. Under FSDP2 every rank of the world runs the same
+            passes (the sharded state's lockstep within a shard group, and across groups or without a sharded state
+            the world's: see `lockstep`), so FSDP2 gathers and frees the layers pass by pass (see `distributed`).
         causal_lm: the unwrapped `PreTrainedModel` under `model` (PEFT layers in place, if any).
         adapter: the architecture adapter of `causal_lm`.
         chunk_size: prompt tokens per prefill (and reverse) chunk.
@@ -365,6 +365,9 @@ class Engine:
         checkpoint_reverse: under gradient checkpointing, let the reverse pass recompute each layer of a chunk in its
             backward (True), or turn checkpointing off for the reverse pass's chunks, which then keep their whole
             graph and skip that recompute (`LongStrawGRPOConfig.reverse_checkpointing`).
+        attention_reuse: under gradient checkpointing, the reverse pass's recompute takes each attention layer's
+            output kept by its forward instead of attending again (`Pass.attention_reuse`; same gradients, one
+            attention output per layer and chunk token of memory).
     """
 
     def __init__(
@@ -378,23 +381,25 @@ class Engine:
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         offload_boundaries: bool = False,
         checkpoint_reverse: bool = True,
+        attention_reuse: bool = True,
     ):
         self.model = model
         self.checkpoint_reverse = checkpoint_reverse
         self.offload_boundaries = offload_boundaries
+        self.attention_reuse = attention_reuse
         self.autocast = autocast
         self.causal_lm = causal_lm
         self.adapter = adapter
         self.chunk_size = chunk_size
         self.progress = progress
         self.shards = shards
-        # FSDP2 gathers and frees the parameters pass by pass (`distributed.fsdp2_gathered`) when every rank runs the
-        # same passes: a prompt state sharded over every process runs them in lockstep; without a sharded state (data
-        # parallelism), the ranks agree on the number of passes of each kind per prompt and pad theirs with fillers
-        # (`lockstep`). Shard groups smaller than the world run different passes: FSDP2 then gathers once per call.
-        fsdp = fsdp2_root(model) is not None
-        self.lockstep = fsdp and shards is None
-        self.fsdp_per_pass = fsdp and (shards is None or shards.world == dist.get_world_size())
+        # FSDP2 gathers and frees the parameters pass by pass (`distributed.fsdp2_gathered`), so every rank of the
+        # world must run the same passes. A prompt state sharded over every process runs them in lockstep; otherwise
+        # (data parallelism, or shard groups smaller than the world, each group in its own lockstep) the ranks agree
+        # on the number of passes of each kind per prompt slot and pad theirs with fillers (`lockstep`), which never
+        # touch the sharded attention, so the groups' collectives stay inside each group.
+        self.fsdp = fsdp2_root(model) is not None
+        self.lockstep = self.fsdp and (shards is None or shards.world < dist.get_world_size())
         # Context parallelism (`context_parallel`): the ranks of a shard group split each prefill and reverse pass's
         # tokens, for adapters whose token mixers support it at this group size; the others replicate the passes.
         supports = getattr(adapter, "context_parallel", None)
@@ -552,9 +557,23 @@ class Engine:
         """Whether `prefill(..., reuse=True)` of the prompt `key` returns a held state instead of prefilling."""
         return self._take(key, boundaries) is not None
 
-    def _num_chunks(self, group: PromptGroup) -> int:
-        """Prefill (and reverse) chunks of `group`'s prompt."""
-        return len(self._chunks(group.tokens.shape[0] - 1))
+    def _agree_held(self, groups: list[PromptGroup], boundaries: bool, device) -> None:
+        """Sharded: the ranks of the shard group take the held state of a prompt of `groups` (in the order `agree`
+        gave every rank) only if every rank can (`_reusable`), as they prefill it together otherwise; a rank that
+        could drops its own (one all-reduce). In practice they hold the same states (generation offered them
+        together), so this keeps a disagreement, e.g. a state dropped on one rank only, from hanging the group."""
+        if not groups:
+            return
+        flags = [int(self._reusable(_key(g), boundaries)) for g in groups]
+        lowest, _ = self.shards.extremes(flags, device)
+        for group, mine, everyone in zip(groups, flags, lowest, strict=True):
+            if mine and not everyone:
+                self._held.pop(_key(group), None)
+
+    def _num_passes(self, group: PromptGroup) -> int:
+        """Prefill (and, sharded or in exact mode, reverse) passes over `group`'s prompt: its chunks, or its
+        context-parallel rounds."""
+        return len(self._passes(group.tokens.shape[0] - 1))
 
     def reverse(self, group: PromptGroup, state: PromptState) -> int:
         """Exact mode: back-propagates the gradient accumulated on the records through the prompt, last chunk first.
@@ -595,7 +614,9 @@ class Engine:
                     start, end, cp = self._declare(c, bounds)
                     p = Pass(state, visible=c, shard=self.shards, cp=cp)
                     p.sink = {}
-                    checkpointed = self._backbone().is_gradient_checkpointing and self.checkpoint_reverse
+                    checkpointed = (
+                        self._backbone().is_gradient_checkpointing and self.checkpoint_reverse and self.attention_reuse
+                    )
                     # The recompute of each layer takes its attention's output instead of attending again.
                     with (
                         use_pass(p),
@@ -611,7 +632,7 @@ class Engine:
                             ).last_hidden_state
                         captured, p.sink, p.filling = p.sink, None, False
                         outputs, grads = [], []
-                        if self.fsdp_per_pass:
+                        if self.fsdp:
                             # A zero seed on the output: under per-pass FSDP2 the last layer's parameters are
                             # gathered again for backward by a hook on its output, which the records alone never reach.
                             outputs.append(hidden)
@@ -711,7 +732,7 @@ class Engine:
                 torch.autograd.backward(hidden, torch.zeros_like(hidden))
 
     def _pad(self, slot: Slot, kind: int, done: int, device, backward_fn=None) -> None:
-        """Data-parallel lockstep: fillers that bring the `done` passes of `kind` this rank ran for `slot` to the
+        """World lockstep: fillers that bring the `done` passes of `kind` this rank ran for `slot` to the
         agreed count (`Slot.passes`). Nothing otherwise."""
         if slot.passes is None:
             return
@@ -727,34 +748,59 @@ class Engine:
         lengths: list[int],
         passes: Callable[[PromptGroup, list[int]], tuple[int, int, int]],
         device,
+        first: Callable[[PromptGroup], int] | None = None,
+        boundaries: bool | None = None,
     ) -> list[Slot]:
         """The prompts to run and, for each, its branch rows.
 
-        Unsharded: `groups` with their `rows`, as given. Data-parallel lockstep (FSDP2 without a sharded state): the
-        prompts with rows, fewest passes first (`passes(group, rows)`: this rank's own counts of a prompt), so that
-        the ranks' large prompts share slots and fillers stay few, except that a prompt whose state the scoring kept
-        stays first; then empty slots up to the largest number of prompts of any rank; each slot with the pass counts
-        agreed by one all-reduce over the world (see `Slot`). Sharded: the prompts in the order agreed by the group,
-        and rounds in which every rank runs one branch (its own or a filler), declared to `shards` round by round.
+        Unsharded: `groups` with their `rows`, as given. Sharded: the prompts with rows in the order agreed by the
+        group, then sorted by `first` (stable), and rounds in which every rank runs one branch (its own or a
+        filler), declared to `shards` round by round.
+
+        World lockstep (FSDP2, unless the state is sharded over every process): the prompts with rows, fewest passes
+        first (`passes(group, rows)`: this rank's own counts of a prompt; sharded, the group's branch rounds count as
+        its branch passes), so that the ranks' large prompts share slots and fillers stay few, except that unsharded
+        a prompt whose state the scoring kept stays first, and sharded `first` still orders first; then empty slots
+        up to the largest number of prompts of any rank; each slot with the pass counts agreed by one all-reduce
+        over the world (see `Slot`). Every rank of a shard group has the same prompts and counts, so the group stays
+        in its own lockstep, and fillers pad it to the other groups' passes.
+
+        `boundaries`, unless None (a call that takes held states: the policy's loss pass), sharded: the ranks agree
+        which held states they take (`_agree_held`), with or without the chunk boundaries, before counting passes.
         """
-        if self.lockstep:
+        if self.shards is None:
+            if not self.lockstep:
+                return [Slot(g, rs) for g, rs in zip(groups, rows, strict=True)]
             work = [(g, rs, passes(g, rs)) for g, rs in zip(groups, rows, strict=True) if rs]
             pinned = int(bool(work) and _key(work[0][0]) in self._held)
             work[pinned:] = sorted(work[pinned:], key=lambda item: sum(item[2]))
-            agreed = agree_pass_counts([counts for _, _, counts in work], len(lengths), device)
-            work = [(g, rs) for g, rs, _ in work]
-            work += [(None, [])] * (len(agreed) - len(work))
-            return [Slot(group, rs, passes=counts) for (group, rs), counts in zip(work, agreed, strict=True)]
-        if self.shards is None:
-            return [Slot(g, rs) for g, rs in zip(groups, rows, strict=True)]
-        order, plan = self.shards.agree(groups, [[lengths[r] for r in rs] for rs in rows])
+        else:
+            order, plan = self.shards.agree(groups, [[lengths[r] for r in rs] for rs in rows])
+            if boundaries is not None:
+                self._agree_held([groups[i] for i in order], boundaries, device)
 
-        def rounds(mine: list[int], everyone: list[list[int]]) -> Iterator[int | None]:
-            for i in range(max(len(theirs) for theirs in everyone)):
-                self.shards.branch_round([theirs[i] if i < len(theirs) else 1 for theirs in everyone])
-                yield mine[i] if i < len(mine) else None
+            def rounds(mine: list[int], everyone: list[list[int]]) -> Iterator[int | None]:
+                for i in range(max(len(theirs) for theirs in everyone)):
+                    self.shards.branch_round([theirs[i] if i < len(theirs) else 1 for theirs in everyone])
+                    yield mine[i] if i < len(mine) else None
 
-        return [Slot(groups[i], rounds(rows[i], plan[k])) for k, i in enumerate(order) if any(plan[k])]
+            work = []
+            for k, i in enumerate(order):
+                if any(plan[k]):
+                    prefill, _, reverse = passes(groups[i], rows[i])
+                    counts = (prefill, max(len(theirs) for theirs in plan[k]), reverse)
+                    work.append((groups[i], rounds(rows[i], plan[k]), counts))
+
+            def rank(item) -> tuple[int, int]:
+                return (0 if first is None else first(item[0]), sum(item[2]) if self.lockstep else 0)
+
+            work.sort(key=rank)
+            if not self.lockstep:
+                return [Slot(g, rs) for g, rs, _ in work]
+        agreed = agree_pass_counts([counts for _, _, counts in work], len(lengths), device)
+        slots = [(g, rs) for g, rs, _ in work]
+        slots += [(None, [])] * (len(agreed) - len(slots))
+        return [Slot(group, rs, passes=counts) for (group, rs), counts in zip(slots, agreed, strict=True)]
 
     def score(
         self,
@@ -780,7 +826,7 @@ class Engine:
         replays it, so the loss pass sees the same values in both.
         """
         length = prompt_ids.shape[1] + completion_ids.shape[1]
-        with fsdp2_gathered(self.model, per_pass=self.fsdp_per_pass), self.rope.pinned(length):
+        with fsdp2_gathered(self.model), self.rope.pinned(length):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
             return self._score(*prompt, *completion, keep, reuse, batch_tokens, boundaries)
 
@@ -797,17 +843,18 @@ class Engine:
             # A held state may still be dropped by the prefill of an earlier prompt (`hold_budget`): the agreed
             # count assumes a prefill, and a prompt whose held state is taken runs fillers instead (one token each).
             branches = len(pack_rows(rows, lengths, batch_tokens)) if batched else len(rows)
-            return self._num_chunks(group), branches, 0
+            return self._num_passes(group), branches, 0
 
         rows = [[r for r in g.rows if lengths[r] > 0] for g in groups]
-        for slot in self._schedule(groups, rows, lengths, passes, device):
+        takes = boundaries if reuse or keep else None
+        for slot in self._schedule(groups, rows, lengths, passes, device, boundaries=takes):
             group = slot.group
             taken = group is not None and (reuse or keep) and self._reusable(_key(group), boundaries)
             if group is None:
                 state = PromptState()
             else:
                 state = self.prefill(group, keep=keep, reuse=reuse or keep, boundaries=boundaries)
-            self._pad(slot, PREFILL, 0 if taken else state.num_chunks, device)
+            self._pad(slot, PREFILL, 0 if taken or group is None else self._num_passes(group), device)
             t0 = time.perf_counter()
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), torch.no_grad(), use_pass(p):
@@ -822,12 +869,12 @@ class Engine:
                         ([row], None if row is None else self._branch(group, completion_ids[row], lengths[row]))
                         for row in slot.rows
                     )
-                done = 0
+                done = 0  # branch passes, a sharded round's zero-weight branch included
                 for batch_rows, inputs in batches:
+                    done += 1
                     if inputs is None:
                         self._zero_branch(group, None, device)
                         continue
-                    done += 1
                     lp, ent = self._forward_branch(*inputs)
                     for i, row in enumerate(batch_rows):
                         n = lengths[row]
@@ -862,7 +909,7 @@ class Engine:
         """
         sync_pass = functools.partial(self._sync_pass, prompt_ids.device)
         length = prompt_ids.shape[1] + completion_ids.shape[1]
-        with fsdp2_gathered(self.model, sync_pass=sync_pass, per_pass=self.fsdp_per_pass), self.rope.pinned(length):
+        with fsdp2_gathered(self.model, sync_pass=sync_pass), self.rope.pinned(length):
             prompt, completion = (prompt_ids, prompt_mask), (completion_ids, completion_mask)
             self._backward(*prompt, *completion, grad_logps, grad_entropies, exact, backward_fn)
         finish_ddp(self.model)
@@ -884,22 +931,21 @@ class Engine:
         # Last scored first: the states the scoring pass kept are held newest first, and beyond `hold_budget` the
         # oldest were dropped. Sharded, the agreed order is sorted by the held states, the same on every rank.
         groups, live = groups[::-1], live[::-1]
-        newest = {key: i for i, key in enumerate(reversed(list(self._held)))}
 
         def held_first(group: PromptGroup) -> int:
+            # Read when the schedule sorts, after the shard group agreed which held states it takes.
+            newest = {key: i for i, key in enumerate(reversed(list(self._held)))}
             return newest.get(_key(group), len(newest))
 
         def passes(group: PromptGroup, rows: list[int]) -> tuple[int, int, int]:
-            chunks = self._num_chunks(group)
+            chunks = self._num_passes(group)
             return 0 if self._reusable(_key(group), exact) else chunks, len(rows), chunks if exact else 0
 
         schedule = [
             slot
-            for slot in self._schedule(groups, live, lengths, passes, device)
+            for slot in self._schedule(groups, live, lengths, passes, device, first=held_first, boundaries=exact)
             if self.shards is not None or slot.passes is not None or slot.rows
         ]
-        if self.shards is not None:
-            schedule.sort(key=lambda slot: held_first(slot.group))
         for slot in schedule:
             group = slot.group
             if group is None:
@@ -911,19 +957,20 @@ class Engine:
             # A prompt prefilled here is not held: holding it could drop a held state that a later prompt of this
             # call was planned to reuse.
             state = self.prefill(group, keep=reused, reuse=True, boundaries=exact)
-            self._pad(slot, PREFILL, 0 if reused else state.num_chunks, device)
+            self._pad(slot, PREFILL, 0 if reused else self._num_passes(group), device)
             if exact:
                 state.requires_grad_()
             t0 = time.perf_counter()
             done = 0
-            checkpointed = self._backbone().is_gradient_checkpointing
+            # Unsharded only: sharded branch rounds mix real branches and fillers, which must exchange alike.
+            checkpointed = self._backbone().is_gradient_checkpointing and self.shards is None
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), use_pass(p):
                 for row in slot.rows:
+                    done += 1
                     if row is None:
                         self._zero_branch(group, backward_fn, device)
                         continue
-                    done += 1
                     n = lengths[row]
                     # The checkpoint's recompute takes each attention layer's output over the prompt (the costly part
                     # of a branch) instead of attending again.

@@ -17,22 +17,23 @@ accept.
 
 How it fits the engine's passes. The experts' all-to-alls are collectives of the EP group inside every MoE layer's
 forward and backward, so every rank must run the same passes in the same order, which the engine already does for
-per-layer FSDP2 in two ways (`Engine.fsdp_per_pass`), both of which FSDP2 then gathers layer by layer:
+per-layer FSDP2 in two ways (`Engine.lockstep`), both of which FSDP2 then gathers layer by layer:
 
-- the prompt state sharded over all processes (`shard_prompt_state=True`, `prompt_shard_group_size: 0`): every rank
-  runs every prefill and reverse chunk, and branches in rounds (a rank short of completions runs a zero-weight
-  one-token branch). In *replicated* prefill and reverse chunks (GLM's MLA + DSA) every rank sends the same chunk
-  tokens to the experts, so an expert's rank computes them once per rank of the group (the token-wise compute of
-  these passes is replicated anyway); in the backward each rank returns its own share of the output gradient (the
-  engine's replicated passes back-propagate per-rank shares), and the expert's gradient sums the shares, as the
-  data-parallel reduction does for every other parameter. In *context-parallel* chunks (attention-only models such as
-  Qwen3-MoE) and in branch rounds each rank routes its own tokens: the all-to-all's own use case;
+- the prompt state sharded over all processes (`shard_prompt_state=True`, `prompt_shard_group_size: 0`): the ranks
+  run the prefill and reverse passes in context-parallel rounds (`context_parallel`: each rank its own chunk, GLM's
+  MLA + DSA and Qwen3-MoE alike) and branches in rounds (a rank short of completions runs a zero-weight one-token
+  branch), so each rank routes its own tokens: the all-to-all's own use case. Only a prompt's last remainder of
+  fewer tokens than ranks runs as a *replicated* pass, in which every rank sends the same tokens to the experts (an
+  expert's rank computes them once per rank of the group); in the backward each rank returns its own share of the
+  output gradient (the engine's replicated passes back-propagate per-rank shares), and the expert's gradient sums
+  the shares, as the data-parallel reduction does for every other parameter;
 - without a sharded state, the data-parallel lockstep: the ranks agree on the number of passes of each kind per
   prompt and pad theirs with one-token filler passes, each of which runs the MoE layers and their all-to-alls too.
 
-Shard groups smaller than the world run different passes and are refused. transformers'
+Shard groups smaller than the world are refused: their passes are padded to the world's as well, but the
+replicated passes' per-rank shares of an expert's gradient across groups are not tested. transformers'
 `ep_implementation="all_reduce"` (every rank runs its own experts on a batch the EP group shares, outputs summed)
-would fit the replicated chunks without the duplicate expert compute, but not branch rounds, context-parallel chunks
+would fit the replicated passes without the duplicate expert compute, but not branch rounds, context-parallel rounds
 or the data-parallel passes, where the ranks hold different tokens; transformers also accepts it only when the EP
 group is a tensor-parallel group (`ep_size == tp_size`), which the engine does not use. So the trainer always asks
 for `"all_to_all"`.
@@ -85,8 +86,8 @@ def check_args(args, world_size: int) -> None:
 
     Raises:
         ValueError: naming the fix, when the EP size does not divide the processes, the prompt state is sharded over
-            groups smaller than the world (which run different passes, where the experts' collectives need all ranks
-            in lockstep), or checkpoints would need the optimizer state.
+            groups smaller than the world (not tested with the experts' all-to-alls), or checkpoints would need the
+            optimizer state.
     """
     ep = args.expert_parallel_size
     if ep <= 1:
@@ -99,10 +100,9 @@ def check_args(args, world_size: int) -> None:
     group = args.prompt_shard_group_size
     if args.shard_prompt_state and group not in (0, world_size):
         raise ValueError(
-            f"expert_parallel_size > 1 needs every rank to run the same passes in the same order (the experts' "
-            f"all-to-alls are collectives inside every MoE layer), which shard groups of {group} of the "
-            f"{world_size} processes do not: set prompt_shard_group_size=0 (one shard group of all processes), or "
-            "shard_prompt_state=False (the data-parallel lockstep)."
+            f"expert_parallel_size > 1 is not supported with shard groups of {group} of the {world_size} processes "
+            "(the experts' all-to-alls across shard groups are untested): set prompt_shard_group_size=0 (one shard "
+            "group of all processes), or shard_prompt_state=False (the data-parallel lockstep)."
         )
     if args.save_strategy != "no" and not args.save_only_model:
         raise ValueError(

@@ -8,7 +8,21 @@ reads every prompt record (batch 1, broadcast over the rows) and then the rows' 
 Sampling itself stays transformers': `generate` builds the logits processors and stopping criteria from the
 trainer's `GenerationConfig` and calls `shared_prompt_decoder(...)` in place of its `_sample` loop, which this
 module mirrors step for step (processors on the padded rows, multinomial or argmax, pad after EOS, stop criteria).
-Positions follow `generate`: the first real prompt token is at position 0 whatever the padding.
+Positions follow `generate`: the first real prompt token is at position 0 whatever the padding; except that a prompt
+whose state is offered to the loss pass (training) starts where the loss pass places it, after its left padding
+(`shared_prompt_decoder`'s `offset`).
+
+Several processes decode in *lockstep* where a forward issues collectives that need every rank: FSDP2's per-layer
+all-gathers and, under expert parallelism (`expert_parallel`), the experts' all-to-alls inside every MoE layer. With
+the prompt state sharded over all processes the ranks of the shard group decode the same prompts in one agreed order,
+every step a branch round of their rows, until every rank's rows are done (their prompt attention merges across the
+ranks anyway). Without a sharded state (data parallelism: different prompts per rank, the engine's *data-parallel
+lockstep*), the ranks agree on the number of prompt slots and each slot's prefill chunks (two max all-reduces: the
+most distinct prompts of any rank, then `distributed.agree_pass_counts`, as the loss pass does), pad theirs with
+one-token filler prefills, and after each decoding step agree (one small all-reduce) whether any rank still decodes;
+a rank whose rows are done, or that has no prompt in the slot, runs one-token filler steps (`_filler_step`) whose
+outputs are discarded until then. Either way every rank runs the same number of forwards in the same order, so the
+collectives meet.
 """
 
 from __future__ import annotations
@@ -19,10 +33,9 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig
 from transformers.generation import GenerationMode
-from trl.trainer.utils import pad
 
-from .distributed import fsdp2_gathered
-from .engine import Engine, Pass, PromptGroup, PromptState, use_pass
+from .distributed import agree_pass_counts, fsdp2_gathered
+from .engine import PREFILL, Engine, Pass, PromptGroup, PromptState, use_pass
 
 SUPPORTED_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
 
@@ -145,6 +158,8 @@ def shared_prompt_decoder(
     rows_per_rank: list[int] | None = None,
     offer: bool = False,
     boundaries: bool = False,
+    offset: int = 0,
+    prefill_passes: int | None = None,
 ) -> Callable:
     """A `custom_generate` callable for `model.generate` that decodes rows which all hold `prompt`.
 
@@ -159,14 +174,23 @@ def shared_prompt_decoder(
             step until every rank's rows are done (a rank whose rows finished early appends padding, as stock does
             after EOS, which `trim_after_eos` drops).
         offer: hand the prompt state to the engine's next loss pass (`Engine.offer`), which then does not prefill
-            this prompt again while the weights are unchanged. Its positions start at 0, as a loss-pass row whose
-            prompt has no left padding.
+            this prompt again while the weights are unchanged.
         boundaries: prefill with the recurrent chunk boundaries (an offer to an exact-mode loss pass).
+        offset: the position of the first prompt token (default 0, as `generate` numbers them). An offered state
+            is prefilled at the positions the loss pass gives the prompt, after its left padding in the batch (stock's
+            forward numbers padded rows from 0), and the steps decode at the positions that follow: under RoPE the
+            attention scores depend only on differences of positions, so the decoded distribution is `generate`'s up
+            to float rounding.
+        prefill_passes: in the engine's data-parallel lockstep (`engine.lockstep`), the prefill passes every rank
+            runs for this prompt's slot (agreed by `generate_shared`; this rank pads its own with fillers), and the
+            ranks then decode in lockstep (see the module docstring). Default: this prompt's own chunks.
     """
     longest = longest or prompt.shape[0]
     shards = engine.shards
     if shards is not None and rows_per_rank is None:
         raise ValueError("decoding against a sharded prompt state needs rows_per_rank")
+    # The data-parallel lockstep (no sharded state); shard groups smaller than the world do not decode in lockstep.
+    lockstep = engine.lockstep and engine.shards is None and dist.is_initialized() and dist.get_world_size() > 1
 
     def decode(
         model,
@@ -179,17 +203,19 @@ def shared_prompt_decoder(
         **model_kwargs,
     ) -> torch.LongTensor:
         """Mirrors `GenerationMixin._sample` (no streamer, no dict output). `input_ids` `[G, P]` -> `[G, P + T]`."""
-        if synced_gpus and not (shards is not None and shards.world == dist.get_world_size()):
+        if synced_gpus and not in_lockstep(engine):
             raise ValueError(
                 "shared-prompt generation runs in lockstep across processes (as FSDP generation needs, synced_gpus) "
-                "only with the prompt state sharded over every process: set shard_prompt_state=True with "
-                "prompt_shard_group_size=0, or shared_generation=False in LongStrawGRPOConfig."
+                "with the prompt state sharded over every process or not sharded at all, not over shard groups "
+                "smaller than the world: set prompt_shard_group_size=0, or shared_generation=False in "
+                "LongStrawGRPOConfig."
             )
         if streamer is not None:
             raise ValueError("shared-prompt generation does not stream: remove the streamer.")
         # Under FSDP2 (then in lockstep: synced_gpus) the root's own parameters stay gathered, as the prefill calls
-        # the backbone, and the layers gather pass by pass.
-        with fsdp2_gathered(engine.model, per_pass=True):
+        # the backbone, and the layers gather pass by pass (on a rank without a prompt in this slot too:
+        # `generate_shared`).
+        with fsdp2_gathered(engine.model):
             return _decode(input_ids, logits_processor, stopping_criteria, generation_config)
 
     def _decode(input_ids, logits_processor, stopping_criteria, generation_config: GenerationConfig):
@@ -197,29 +223,40 @@ def shared_prompt_decoder(
         pad_token_id = generation_config._pad_token_tensor
         has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
         unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
-        # Positions as generate derives them from the attention mask: the first real prompt token is at 0.
-        group = PromptGroup(tokens=prompt, pad=0, rows=list(range(rows)))
+        # Positions as generate derives them from the attention mask (the first real prompt token at 0), or after
+        # the left padding the loss pass gives the prompt (`offset`).
+        group = PromptGroup(tokens=prompt, pad=offset, rows=list(range(rows)))
         with engine.rope.pinned(longest):
             state = engine.prefill(group, boundaries=boundaries)
+        if lockstep:
+            _filler_prefills((prefill_passes or 0) - state.num_chunks, engine, input_ids.device)
         if offer:
             engine.offer(group, state)
         tail = engine.adapter.decode_tail(generation_config.max_length - width)
+        # The rows' ids `[G, width + max new tokens]`, filled one column per step; `ids` is the view of what is
+        # decoded so far, which the logits processors and stopping criteria read as stock's `input_ids`. Allocated
+        # after the prefill and written in place, where stock concatenates a new `[G, width + t]` tensor per step.
+        buffer = input_ids.new_empty(rows, max(generation_config.max_length, width + 1))
+        buffer[:, :width] = input_ids
+        ids = buffer[:, :width]
+        del input_ids
         step_ids = prompt[-1:].expand(rows)
-        position = prompt.shape[0] - 1
+        step = 0
         with engine.adapter.activate(), torch.no_grad(), use_pass(DecodePass(state, tail, shards)):
             while True:
                 if shards is not None:
                     shards.branch_round(rows_per_rank)
+                position = offset + prompt.shape[0] - 1 + step
                 # The prefill's and the loss pass's precision (see `engine`); the RoPE of `generate` at this length.
-                with engine.autocast(), engine.rope.pinned(longest + position - (prompt.shape[0] - 1)):
+                with engine.autocast(), engine.rope.pinned(longest + step):
                     outputs = engine.causal_lm(
                         input_ids=step_ids[:, None],
-                        position_ids=torch.full((rows, 1), position, device=input_ids.device),
+                        position_ids=torch.full((rows, 1), position, device=buffer.device),
                         use_cache=False,
                     )
-                next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+                next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=buffer.device)
                 del outputs
-                next_token_scores = logits_processor(input_ids, next_token_logits)
+                next_token_scores = logits_processor(ids, next_token_logits)
                 if generation_config.do_sample:
                     probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
                     next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -227,22 +264,75 @@ def shared_prompt_decoder(
                     next_tokens = torch.argmax(next_token_scores, dim=-1)
                 if has_eos_stopping_criteria:
                     next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
-                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-                unfinished = unfinished & ~stopping_criteria(input_ids, None)
-                if not _any_unfinished(unfinished, shards):
-                    return input_ids
+                if ids.shape[1] == buffer.shape[1]:  # a stopping criterion past max_length: grow as stock's cat
+                    buffer = torch.cat([buffer, buffer.new_empty(rows, buffer.shape[1])], dim=1)
+                buffer[:, ids.shape[1]] = next_tokens
+                ids = buffer[:, : ids.shape[1] + 1]
+                unfinished = unfinished & ~stopping_criteria(ids, None)
+                if not _any_unfinished(unfinished, shards, lockstep):
+                    return ids
+                if lockstep and not unfinished.any():  # this rank's rows are done, another rank's are not
+                    _filler_steps(engine, buffer.device)
+                    return ids
                 step_ids = next_tokens
-                position += 1
+                step += 1
 
     return decode
 
 
-def _any_unfinished(unfinished: torch.Tensor, shards) -> bool:
-    """Whether a row of `unfinished` `[G]`, or with `shards` a row of any rank of the shard group, is still going."""
-    flag = unfinished.max().reshape(1)
+def _any_unfinished(unfinished: torch.Tensor, shards, lockstep: bool = False) -> bool:
+    """Whether a row of `unfinished` `[G]` is still going; with `shards`, a row of any rank of the shard group; in
+    the data-parallel `lockstep`, a row of any rank of the world."""
+    flag = (
+        unfinished.max().reshape(1)
+        if unfinished.numel()
+        else torch.zeros(1, dtype=torch.long, device=unfinished.device)
+    )
     if shards is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shards.group)
+    elif lockstep:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def in_lockstep(engine: Engine) -> bool:
+    """Whether `engine`'s ranks can decode in lockstep: one process, the prompt state sharded over every process,
+    or the engine's data-parallel lockstep (FSDP2 without a sharded state)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    if engine.shards is None:
+        return engine.lockstep
+    return engine.shards.world == dist.get_world_size()
+
+
+def _filler_prefills(n: int, engine: Engine, device) -> None:
+    """`n` one-token filler prefill passes (`Engine._filler`): the data-parallel lockstep's padding of a prompt slot
+    in which another rank prefills more chunks."""
+    for _ in range(n):
+        engine._filler(PREFILL, device)
+
+
+def _filler_step(engine: Engine, device) -> None:
+    """A decoding step's forward on one token against an empty prompt state, through the model a decoding step calls
+    (so it issues the same collectives: FSDP2's gathers, the experts' all-to-alls); its output is discarded."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with (
+        engine.adapter.activate(),
+        torch.no_grad(),
+        use_pass(Pass(PromptState(), visible=0)),
+        engine.autocast(),
+    ):
+        engine.causal_lm(input_ids=ids, position_ids=ids, use_cache=False)
+
+
+def _filler_steps(engine: Engine, device) -> None:
+    """Data-parallel lockstep, on a rank with no row left to decode: one filler step per decoding step of the other
+    ranks, each followed by the step's agreement, until no rank decodes."""
+    done = torch.zeros(0, dtype=torch.long, device=device)
+    while True:
+        _filler_step(engine, device)
+        if not _any_unfinished(done, None, lockstep=True):
+            return
 
 
 def generation_config_for_decoder(config: GenerationConfig) -> GenerationConfig:
@@ -280,34 +370,65 @@ def generate_shared(
     The rows of one prompt are passed to `generate` left-padded to the batch width exactly as `GRPOTrainer` pads
     the whole batch, so the logits processors (repetition penalty, minimum length) and the maximum length see the
     same `input_ids` as in stock; only the decoding loop is `shared_prompt_decoder`'s. With a sharded prompt state
-    (`engine.shards`), the ranks of the shard group decode the prompts in one agreed order, in lockstep.
+    (`engine.shards`), the ranks of the shard group decode the prompts in one agreed order, in lockstep; in the
+    engine's data-parallel lockstep, every rank runs the agreed slots, with fillers where it has less to do (see the
+    module docstring).
 
     Args:
         model: the model `generate` is called on (unwrapped, PEFT adapters active).
         engine: the engine of that model.
         generation_config: the trainer's generation config; checked with `check_generation_config`.
-        offer_boundaries: unless None, the state of every prompt that the loss pass runs at the same positions (one
-            without left padding in the batch) is offered to it (`Engine.offer`), prefilled with chunk boundaries if
-            True (exact mode). Shorter prompts are prefilled again by the loss pass, at their padded positions.
+        offer_boundaries: unless None, the state of every prompt is offered to the loss pass (`Engine.offer`),
+            prefilled with chunk boundaries if True (exact mode), at the positions the loss pass gives the prompt:
+            after its left padding in this batch, as stock's forward numbers padded rows (the rows then decode at
+            the positions that follow; see `shared_prompt_decoder`'s `offset`). With a sharded prompt state, a prompt
+            is offered only if every rank of the shard group pads it alike (the ranks prefill it together); the
+            others are prefilled at `generate`'s positions and not offered.
     Returns:
         Per row, the generated ids up to and including the first EOS.
     """
-    tensors = [torch.tensor(ids) for ids in prompt_ids]
-    padded = pad(tensors, padding_value=pad_token_id, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
-    ones = [torch.ones_like(t) for t in tensors]
-    mask = pad(ones, padding_value=0, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
-    padded, mask = padded.to(device), mask.to(device)
+    # The batch width of stock's left padding; each prompt's rows are built from one padded row (views), not as a
+    # `[B, width]` copy of the whole batch.
+    width = max(len(ids) for ids in prompt_ids)
+    if pad_to_multiple_of is not None:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     groups: dict[tuple[int, ...], list[int]] = {}
     for row, ids in enumerate(prompt_ids):
         groups.setdefault(tuple(ids), []).append(row)
-    items = list(groups.items())
+    items: list[tuple[tuple[int, ...], list[int]] | None] = list(groups.items())
     rows_per_rank: list[list[int] | None] = [None] * len(items)
+    prefill_passes: list[int | None] = [None] * len(items)
+    # The data-parallel lockstep (no sharded state); shard groups smaller than the world do not decode in lockstep.
+    lockstep = engine.lockstep and engine.shards is None and dist.is_initialized() and dist.get_world_size() > 1
     if engine.shards is not None:
         # The ranks of a shard group hold the same prompts (other rows of them) and decode them in one agreed order.
         keyed = [PromptGroup(tokens=torch.tensor(tokens), pad=0, rows=rows) for tokens, rows in items]
         order, plan = engine.shards.agree(keyed, [[len(rows)] for _, rows in items])
         items = [items[i] for i in order]
         rows_per_rank = [[counts[0] for counts in ranks] for ranks in plan]
+    elif lockstep:
+        # Data-parallel lockstep: the ranks hold different prompts. Fewest chunks first, so that the ranks' long
+        # prompts share slots; every rank then runs each slot's agreed prefill passes, and empty slots (no prompt of
+        # its own: `None`) up to the most prompts of any rank.
+        chunks = {tokens: engine._num_passes(PromptGroup(torch.tensor(tokens), 0, [])) for tokens in groups}
+        items.sort(key=lambda item: chunks[item[0]])
+        # The agreement's table needs the same size on every rank; TRL gives every process the same rows except in
+        # multi-turn tool calls, which generate again for the rows that called a tool.
+        slots = torch.tensor([len(items)], device=device)
+        dist.all_reduce(slots, op=dist.ReduceOp.MAX)
+        agreed = agree_pass_counts([(chunks[tokens], 0, 0) for tokens, _ in items], int(slots.item()), device)
+        items += [None] * (len(agreed) - len(items))
+        rows_per_rank = [None] * len(items)
+        prefill_passes = [counts[PREFILL] for counts in agreed]
+    # Left padding of each prompt in the batch, where the loss pass places it (offers only).
+    offsets: list[int | None] = [None] * len(items)
+    if offer_boundaries is not None:
+        offsets = [None if item is None else width - len(item[0]) for item in items]
+        if engine.shards is not None and offsets:  # no fillers here: `agree` gave every rank the same prompts
+            # The ranks prefill a prompt together, so they place it alike: they offer it only where their loss
+            # passes will look it up under the same padding.
+            lowest, highest = engine.shards.extremes(offsets, device)
+            offsets = [o if low == high else None for o, low, high in zip(offsets, lowest, highest, strict=True)]
     config = generation_config_for_decoder(generation_config)
     completions: list[list[int]] = [[] for _ in prompt_ids]
     # Per-call RoPE: each prompt decodes from the state stock's one `generate` starts from, and the state left
@@ -315,23 +436,40 @@ def generate_shared(
     longest = max(len(ids) for ids in prompt_ids)
     start = final = engine.rope.snapshot()
     most_steps = -1
-    for (tokens, rows), counts in zip(items, rows_per_rank, strict=True):
+    for item, counts, passes, offset in zip(items, rows_per_rank, prefill_passes, offsets, strict=True):
+        if item is None:  # data-parallel lockstep: another rank decodes a prompt in this slot
+            with fsdp2_gathered(engine.model):
+                _filler_prefills(passes, engine, device)
+                _filler_steps(engine, device)
+            continue
+        tokens, rows = item
         engine.rope.restore(start)
-        offer = offer_boundaries is not None and len(tokens) == padded.shape[1]
+        prompt = torch.tensor(tokens, device=device)
         decoder = shared_prompt_decoder(
             engine,
-            torch.tensor(tokens, device=device),
+            prompt,
             longest,
             counts,
-            offer=offer,
-            boundaries=bool(offer_boundaries),
+            offer=offset is not None,
+            boundaries=offset is not None and bool(offer_boundaries),
+            offset=offset or 0,
+            prefill_passes=passes,
         )
+        # The rows as `generate` receives them in stock, left-padded to the batch width: one row, expanded.
+        padded = torch.full((1, width), pad_token_id, dtype=prompt.dtype, device=device)
+        padded[0, width - len(tokens) :] = prompt
+        mask = torch.zeros((1, width), dtype=prompt.dtype, device=device)
+        mask[0, width - len(tokens) :] = 1
         out = model.generate(
-            input_ids=padded[rows], attention_mask=mask[rows], generation_config=config, custom_generate=decoder
+            input_ids=padded.expand(len(rows), -1),
+            attention_mask=mask.expand(len(rows), -1),
+            generation_config=config,
+            custom_generate=decoder,
         )
+        del padded, mask
         if out.shape[1] > most_steps:
             most_steps, final = out.shape[1], engine.rope.snapshot()
-        for row, completion in zip(rows, trim_after_eos(out[:, padded.shape[1] :], eos_token_ids), strict=True):
+        for row, completion in zip(rows, trim_after_eos(out[:, width:], eos_token_ids), strict=True):
             completions[row] = completion
     engine.rope.restore(final)
     return completions

@@ -27,6 +27,13 @@ Each row's indexer query takes its top-k over the prompt's keys (the running top
 transformers' indexer does over its key cache at decode (`decode_select_topk`), then absorbed MLA reads the selected
 rows of the prompt's records and of the row's tail.
 
+**Sharded prompt state** (`sharding`): each rank holds the records of its chunks. The selection is the global top-k
+(`sharded_select_topk`: each rank's best candidates among its chunks, merged in key order by the query owner) and the
+attention merges each rank's part by log-sum-exp (`sharded_latent_attention`). The prefill and reverse passes are
+context-parallel (`context_parallel`): in a round each rank runs its own chunk through the projections, the indexer
+and the MoE, gathers the round's rows (`round_rows`: `kv` and index keys, which the queries see causally after the
+prefix), and exchanges its queries with the other ranks for the prefix, `EXCHANGE_ROWS` gathered queries at a time.
+
 Stock semantics kept on purpose:
 
 - **The indexer runs without autograd**, as in transformers, where `GlmMoeDsaIndexer.forward` is decorated with
@@ -56,10 +63,12 @@ and sparse MLA reading the record chunks in place), with this code as their refe
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttention, apply_rotary_pos_emb_interleave
 
@@ -82,6 +91,10 @@ ATTN_SLOTS = 1 << 18
 # tile `[Q, heads, keys]` (2^26: 256 MB).
 INDEX_KEY_BLOCK = 1 << 15
 INDEX_TILE = 1 << 26
+# Query rows of every rank gathered at once by the exchanges of a sharded prompt state (branch rounds and
+# context-parallel rounds, `exchange_slices`): bounds the gathered indexer queries, absorbed queries `[rows, heads,
+# R + Dr]`, top-k candidates and partial latents `[rows, heads, R + 1]` fp32 alive at once. GLM-5.2: about 1.8 GiB.
+EXCHANGE_ROWS = 1 << 12
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -268,6 +281,7 @@ def sharded_select_topk(
     topk: int,
     scale: float,
     shards: PromptShards,
+    own_start: int = 0,
 ) -> torch.Tensor:
     """`select_topk` over a prefix whose chunks are spread over the ranks of `shards`: the top-k is global.
 
@@ -276,23 +290,34 @@ def sharded_select_topk(
     a branch round every rank's queries are gathered first and the candidates go back to the query owners
     (all-to-all). The owners merge them in key order with their own tokens' keys, so ties break as unsharded (a
     query's global top-k under the order "higher score, then earlier key" is the top-k of the ranks' top-ks).
+    In a context-parallel round (`shards.in_round`) the prefix is exchanged as in a branch round, and `own_keys` are
+    the index keys of every rank's chunk of the round (the same on every rank), of which this rank's queries are
+    rows `own_start:` and see the rows up to their own.
     Collective: every rank of the group calls it for the same layer of the same pass.
 
     Args:
         q, weights: `[S, H, D]` and `[S, H]` this rank's queries (`S = shards.lengths[rank]`).
         prefix_keys: index keys `[n_c, D]` of each visible prefix chunk, None for chunks held by other ranks.
         starts: the first key number of each prefix chunk, then the prefix length (`len(prefix_keys) + 1` values).
-        own_keys: `[S, D]` index keys of the queries' own tokens, numbered from the prefix length.
+        own_keys: `[S, D]` index keys of the queries' own tokens, numbered from the prefix length; in a
+            context-parallel round `[sum(shards.lengths), D]`, every rank's chunk of the round in rank order.
+        own_start: in a context-parallel round, the row of `own_keys` of this rank's first query (the tokens of the
+            ranks before it); else 0.
 
     Returns:
-        `[S, min(topk, P + max(shards.lengths))]` as `select_topk` (`P` the prefix length): the same width on every
-        rank, padded with `-1`.
+        `[S, min(topk, P + n)]` as `select_topk` (`P` the prefix length, `n` the most keys after the prefix that a
+        query of any rank sees: `max(shards.lengths)`, or `sum(shards.lengths)` in a context-parallel round): the
+        same width on every rank, padded with `-1`.
     """
     s, prefix_len = q.shape[0], starts[-1]
+    reach = prefix_len + (sum(shards.lengths) if shards.in_round else max(shards.lengths))
     # One width on every rank, as `sharded_latent_attention` exchanges selections.
-    width = min(topk, prefix_len + max(shards.lengths))
-    if prefix_len + max(shards.lengths) <= topk:  # the same on every rank, so either all communicate or none
-        return _dense_selection(s, prefix_len, prefix_len + max(shards.lengths), topk, q.device)
+    width = min(topk, reach)
+    if reach <= topk:  # the same on every rank, so either all communicate or none
+        return _dense_selection(s, prefix_len + own_start, reach, topk, q.device)
+    first = prefix_len + own_start  # key number of this rank's first query
+    if not prefix_len:  # the same on every rank (the ranks hold the same prompt): nothing to exchange
+        return _own_selection(q, weights, None, own_keys, prefix_len, first, topk, scale, width)
     held = [(starts[c], keys) for c, keys in enumerate(prefix_keys) if keys is not None]
     key_block = min(INDEX_KEY_BLOCK, max(1, sum(keys.shape[0] for _, keys in held)))
     if shards.same_queries:
@@ -300,27 +325,55 @@ def sharded_select_topk(
         values, keys = _running_topk(q, weights, _key_blocks(held, key_block), None, topk, scale, key_block)
         values, keys = _pad_columns(values, keys, topk)
         values, keys = (gather_tokens(x, shards) for x in (values, keys))  # [W, S, topk]
-    else:
-        values, keys = _round_candidates(q, weights, held, key_block, topk, scale, shards)
-    values, keys = _in_key_order(values, keys, prefix_len)
-    own_block = min(INDEX_KEY_BLOCK, s)
+        initial = _in_key_order(values, keys, prefix_len)
+        return _own_selection(q, weights, initial, own_keys, prefix_len, first, topk, scale, width)
+    # Every rank's queries, a slice at a time (`exchange_slices`): the candidates of a slice are merged into its
+    # selection before the next slice is exchanged.
+    pieces = []
+    for a, n, mine in exchange_slices(shards):
+        rows = slice(a, a + mine)
+        values, keys = _round_candidates(q[rows], weights[rows], held, key_block, topk, scale, shards, n)
+        if mine:
+            initial = _in_key_order(values, keys, prefix_len)
+            args = (own_keys, prefix_len, first + a, topk, scale, width)
+            pieces.append(_own_selection(q[rows], weights[rows], initial, *args))
+    return torch.cat(pieces) if pieces else torch.full((0, width), -1, dtype=torch.long, device=q.device)
+
+
+def _own_selection(q, weights, initial, own_keys, prefix_len: int, first: int, topk: int, scale: float, width: int):
+    """The selection `[S, width]` of queries `q` `[S, H, D]` (head weights `[S, H]`, the first at key number
+    `first`) from their prefix candidates `initial` (`[S, m]` in key order, or None) and the keys after the prefix,
+    `own_keys` `[n, D]` numbered from `prefix_len`, causally."""
+    own_block = min(INDEX_KEY_BLOCK, own_keys.shape[0])
     blocks = _key_blocks([(prefix_len, own_keys)], own_block)
-    merged = _running_topk(q, weights, blocks, prefix_len, topk, scale, own_block, initial=(values, keys))
+    merged = _running_topk(q, weights, blocks, first, topk, scale, own_block, initial=initial)
     return _selection(*merged, width)
 
 
-def _round_candidates(q, weights, held, key_block: int, topk: int, scale: float, shards: PromptShards):
-    """In a branch round: every rank's queries `q` `[S, H, D]` (head weights `[S, H]`) are gathered, scored against
-    this rank's chunks `held` (`(first key number, keys)`), and each rank's best `topk` go back to the query owners.
+def exchange_slices(shards: PromptShards):
+    """Yields `(first, n, mine)`: the slices in which a branch round or a context-parallel round exchanges every
+    rank's queries, rows `[first, first + n)` of every rank's (padded) tokens, at most `EXCHANGE_ROWS` gathered rows
+    at a time; `mine` of them are this rank's. The same slices on every rank (collective)."""
+    tmax, mine = max(shards.lengths), shards.lengths[shards.rank]
+    step = max(1, EXCHANGE_ROWS // shards.world)
+    for a in range(0, tmax, step):
+        n = min(step, tmax - a)
+        yield a, n, max(0, min(n, mine - a))
+
+
+def _round_candidates(q, weights, held, key_block: int, topk: int, scale: float, shards: PromptShards, n: int):
+    """In a branch round or a context-parallel round: every rank's queries `q` `[S, H, D]` (head weights `[S, H]`;
+    a slice of at most `n` rows of each rank's, `exchange_slices`) are gathered, scored against this rank's chunks
+    `held` (`(first key number, keys)`), and each rank's best `topk` go back to the query owners.
     Returns `(values, keys)` `[W, S, topk]`, rank by rank, `(-inf, -1)` for none."""
-    world, tmax = shards.world, max(shards.lengths)
-    everyone = gather_tokens(q, shards).flatten(0, 1)  # [W * Tmax, H, D]
-    everyone_weights = gather_tokens(weights, shards).flatten(0, 1)
+    world, s = shards.world, q.shape[0]
+    everyone = gather_tokens(q, shards, n).flatten(0, 1)  # [W * n, H, D]
+    everyone_weights = gather_tokens(weights, shards, n).flatten(0, 1)
     blocks = _key_blocks(held, key_block)
     values, keys = _running_topk(everyone, everyone_weights, blocks, None, topk, scale, key_block)
     values, keys = _pad_columns(values, keys, topk)
-    values = return_tokens(values.view(world, tmax, topk), shards)  # [W, S, topk]
-    keys = return_tokens(keys.view(world, tmax, topk), shards)
+    values = return_tokens(values.view(world, n, topk), shards, s)  # [W, S, topk]
+    keys = return_tokens(keys.view(world, n, topk), shards, s)
     return values, keys
 
 
@@ -361,7 +414,8 @@ def sharded_decode_select_topk(
         return torch.arange(total, device=q.device)[None, :].expand(q.shape[0], -1)
     held = [(starts[c], keys) for c, keys in enumerate(prompt_keys) if keys is not None]
     key_block = min(INDEX_KEY_BLOCK, max(1, sum(keys.shape[0] for _, keys in held)))
-    values, keys = _in_key_order(*_round_candidates(q, weights, held, key_block, topk, scale, shards), prefix_len)
+    candidates = _round_candidates(q, weights, held, key_block, topk, scale, shards, max(shards.lengths))
+    values, keys = _in_key_order(*candidates, prefix_len)
     scores = torch.relu(torch.matmul(q.float(), row_keys.float().transpose(1, 2)) * scale)  # [G, H, t]
     values = torch.cat([values, torch.matmul(weights[:, None, :], scores)[:, 0]], dim=1)
     keys = torch.cat([keys, torch.arange(prefix_len, total, device=q.device)[None, :].expand(q.shape[0], -1)], dim=1)
@@ -519,6 +573,14 @@ def _localize(sel: torch.Tensor, starts: list[int], held: list[bool]) -> torch.T
     return torch.where(inside & (offsets[chunk] >= 0), row, -1)
 
 
+def round_rows(x: torch.Tensor, shards: PromptShards) -> torch.Tensor:
+    """In a context-parallel round, the rows `x` `[S, ...]` of every rank's chunk in rank (so token) order:
+    `[sum(shards.lengths), ...]`. Collective; differentiable: each rank's rows get the sum of every rank's gradient of
+    them (`sharding.gather_tokens`)."""
+    everyone = gather_tokens(x, shards)  # [W, Tmax, ...]
+    return torch.cat([everyone[r, :n] for r, n in enumerate(shards.lengths)])
+
+
 def sharded_latent_attention(
     q: torch.Tensor,
     prefix_kv: list[torch.Tensor | None],
@@ -534,7 +596,8 @@ def sharded_latent_attention(
     Each rank attends the queries to the keys they selected among its own chunks. In a replicated pass (every rank
     runs the same queries) the parts merge by all-reduce (`sharding.merge_replicated`); in a branch round every
     rank's queries are gathered and the partial latents and log-sum-exps go back to the query owners (all-to-all).
-    Either way they then merge with the part over the queries' own tokens. The collectives are differentiable, so
+    Either way they then merge with the part over the queries' own tokens (in a context-parallel round: the rows of
+    every rank's chunk of the round, `round_rows`). The collectives are differentiable, so
     the backward is the same exchange in reverse and each chunk's gradient stays with the rank that holds it.
     Collective: every rank of the group calls it for the same layer of the same pass.
 
@@ -542,7 +605,8 @@ def sharded_latent_attention(
         q: `[S, H, R + Dr]` absorbed queries of this rank (`S = shards.lengths[rank]`).
         prefix_kv: `[n_c, R + Dr]` rows of each visible prefix chunk, None for chunks held by other ranks.
         starts: the first key number of each prefix chunk, then the prefix length.
-        own_kv: `[S, R + Dr]` rows of the queries' own tokens, numbered from the prefix length.
+        own_kv: `[S, R + Dr]` rows of the queries' own tokens, numbered from the prefix length (in a context-parallel
+            round, `[sum(shards.lengths), R + Dr]`: the round's rows).
         sel: `[S, k]` global selection (`sharded_select_topk`), `k` the same on every rank.
 
     Returns:
@@ -561,18 +625,36 @@ def sharded_latent_attention(
         part, part_lse = _SparseLatentAttention.apply(scale, rank, mine, q, *held)
         part, part_lse = merge_replicated(part.to(lse.dtype), part_lse, shards)
         return _merge_two(out, lse, part, part_lse).to(q.dtype)
-    world, tmax, k = shards.world, max(shards.lengths), sel.shape[1]
-    everyone = gather_tokens(q, shards).flatten(0, 1)  # [W * Tmax, H, R + Dr]
+    # Every rank's queries, a slice at a time (`exchange_slices`), each slice merged with its own part before the next.
+    # With autograd, each slice is a checkpoint: its backward gathers the slice again rather than keeping what the
+    # forward gathered (every rank runs the same slices, so the recomputed collectives meet).
+    grad = torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or any(x.requires_grad for x in held))
+    pieces = []
+    for a, n, mine in exchange_slices(shards):
+        rows = slice(a, a + mine)
+        args = (q[rows], sel[rows], out[rows], lse[rows], *held)
+        step = functools.partial(_exchange_slice, n, starts, is_held, scale, rank, shards)
+        # Kept even when empty (no row of this rank): its backward still meets the other ranks' collectives.
+        pieces.append(checkpoint(step, *args, use_reentrant=False) if grad else step(*args))
+    return torch.cat(pieces).to(q.dtype)
+
+
+def _exchange_slice(n: int, starts, is_held, scale: float, rank: int, shards: PromptShards, q, sel, out, lse, *held):
+    """One slice of `sharded_latent_attention`'s exchange in a round: every rank's queries `q` `[s, H, R + Dr]` (at
+    most `n` rows per rank) and selections `sel` `[s, k]` are gathered, attended to this rank's chunks `held`, and
+    the partial latents and log-sum-exps go back to the query owners, where they merge with the own part `(out [s,
+    H, R], lse [s, H])`. Returns `[s, H, R]` in the accumulation dtype. Collective."""
+    world, k, s = shards.world, sel.shape[1], q.shape[0]
+    everyone = gather_tokens(q, shards, n).flatten(0, 1)  # [W * n, H, R + Dr]
     with torch.no_grad():
-        everyone_sel = gather_tokens(sel, shards).view(world * tmax, k)
-        mine = _localize(everyone_sel, starts, is_held)
+        mine = _localize(gather_tokens(sel, shards, n).view(world * n, k), starts, is_held)
     part, part_lse = _SparseLatentAttention.apply(scale, rank, mine, everyone, *held)
-    packed = torch.cat([part.to(lse.dtype), part_lse[..., None]], dim=-1).view(world, tmax, *part_lse.shape[1:], -1)
-    received = return_tokens(packed, shards)  # [W, S, H, R + 1]
-    lses = torch.cat([lse[None], received[..., rank]])  # [W + 1, S, H]
+    packed = torch.cat([part.to(lse.dtype), part_lse[..., None]], dim=-1).view(world, n, *part_lse.shape[1:], -1)
+    received = return_tokens(packed, shards, s)  # [W, s, H, R + 1]
+    lses = torch.cat([lse[None], received[..., rank]])  # [W + 1, s, H]
     total = torch.logsumexp(lses, dim=0)  # finite: every query selects at least one key
     weights = torch.exp(lses - total)[..., None]
-    return (weights * torch.cat([out[None].to(lse.dtype), received[..., :rank]])).sum(0).to(q.dtype)
+    return (weights * torch.cat([out[None].to(lse.dtype), received[..., :rank]])).sum(0)
 
 
 def _merge_two(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
@@ -730,6 +812,12 @@ def longstraw_attention_forward(
     records = p.read(self.layer_idx)
     # Key numbers of the prefix chunks; with a sharded state, `records` holds None for chunks of other ranks.
     starts = p.chunk_starts()
+    # A context-parallel round (`context_parallel`): the queries see every rank's chunk of the round up to their own
+    # tokens, so each rank gathers the round's rows (`kv` and the index keys: `R + Dr + D` values per token) and
+    # numbers them after the prefix; this rank's tokens start at row `own_start`.
+    in_round = p.shard is not None and p.shard.in_round
+    own_start = sum(p.shard.lengths[: p.shard.rank]) if in_round else 0
+    own_kv = round_rows(kv, p.shard) if in_round else kv
     if self.indexer is not None:
         with torch.no_grad():
             index_q, index_weights, index_key = _indexer(self.indexer, hidden_states, q_resid, cos, sin)
@@ -741,7 +829,10 @@ def longstraw_attention_forward(
                 sel = select_topk(index_q, index_weights, index_keys, starts[-1], *index_args)
             else:
                 index_keys = [None if record is None else record[1] for record in records]
-                sel = sharded_select_topk(index_q, index_weights, index_keys, starts, index_key, *index_args, p.shard)
+                own_keys = round_rows(index_key, p.shard) if in_round else index_key
+                sel = sharded_select_topk(
+                    index_q, index_weights, index_keys, starts, own_keys, *index_args, p.shard, own_start=own_start
+                )
         p.emit(self.layer_idx, (kv, index_key), sharded=True)
     else:
         if prev_topk_indices is None:
@@ -758,7 +849,8 @@ def longstraw_attention_forward(
         o_lat = sparse_latent_attention(q_abs, kv_parts, sel, self.scaling, self.kv_lora_rank)
     else:
         prefix_kv = [None if record is None else record[0] for record in records]
-        o_lat = sharded_latent_attention(q_abs, prefix_kv, starts, kv, sel, self.scaling, self.kv_lora_rank, p.shard)
+        args = (self.scaling, self.kv_lora_rank, p.shard)
+        o_lat = sharded_latent_attention(q_abs, prefix_kv, starts, own_kv, sel, *args)
     out = torch.einsum("shr,hvr->shv", o_lat, w_kv[:, nope:]).reshape(1, s, heads * self.v_head_dim)
     return self.o_proj(out), None, sel
 
@@ -845,6 +937,14 @@ class GlmMoeDsaAdapter:
     # Decoding against a sharded state too: `sharded_decode_select_topk`, then `sharded_latent_attention` with the
     # rows' tails as their own tokens.
     decodes_sharded = True
+
+    @staticmethod
+    def context_parallel(world: int) -> bool:
+        """Whether the prompt passes of a state sharded over `world` ranks can split their tokens (see
+        `context_parallel`): always. In a round each rank runs its chunk through the projections, the indexer and the
+        MoE; the round's MLA rows and index keys are gathered (`round_rows`), and the prefix is exchanged as in a
+        branch round, so the DSA top-k stays global."""
+        return True
 
     def __init__(self, causal_lm: PreTrainedModel):
         config = causal_lm.config.get_text_config()

@@ -124,6 +124,7 @@ def runtime_budget(
         offload=offload,
         offload_boundary_states=bool(getattr(args, "offload_boundary_states", False)),
         reverse_checkpointing=bool(getattr(args, "reverse_checkpointing", True)),
+        attention_reuse=bool(getattr(args, "reverse_attention_reuse", True)),
     )
     return estimate(stats, setup)
 

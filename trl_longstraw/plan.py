@@ -283,6 +283,37 @@ def kept_attention(config) -> tuple[int, int]:
     return layers * query_exchange(config)[1], layers * config.num_attention_heads
 
 
+def context_parallel_heads(config) -> int:
+    """Whether the prompt passes of a sharded state are context-parallel rounds exchanging queries and partial
+    outputs (`sharding._ShardedPrefixAttention`, `context_parallel_exchange`): 0 for every shard group size
+    (KV-cache models), the Gated DeltaNet key heads that the group size must divide (`qwen3_5`, whose delta rule runs
+    head-parallel), -1 for none (`glm_moe_dsa`: its MLA + DSA rounds exchange rows instead, `round_row_elems`)."""
+    if config.model_type == "glm_moe_dsa":
+        return -1
+    if config.model_type in ("qwen3_5", "qwen3_5_text"):
+        return config.linear_num_key_heads
+    return 0
+
+
+def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute_bytes: int, autograd: bool) -> int:
+    """Transient bytes of one attention layer's exchange in a context-parallel round of `world` chunks of `chunk`
+    tokens (`sharding._ShardedPrefixAttention`), on each rank.
+
+    Forward: every rank's queries gathered (compute dtype), and the fp32 partial outputs and log-sum-exps of them
+    against this rank's chunks (computed, packed, received: three copies). Backward (`autograd`, the exact-mode
+    reverse pass; its forward's buffers are freed by then): every rank's queries, output gradients, outputs and
+    log-sum-exps gathered in fp32, the queries cast back, and the fp32 query-gradient shares (computed, exchanged).
+    """
+    queries, outputs = stats.query_exchange
+    heads = stats.attention_heads
+    tokens = world * chunk
+    forward = tokens * (queries * compute_bytes + 3 * (outputs + heads) * 4)
+    if not autograd:
+        return forward
+    backward = tokens * ((queries + 2 * outputs + heads) * 4 + queries * compute_bytes + 2 * queries * 4)
+    return max(forward, backward)
+
+
 # ------------------------------------------------------------------------------------------------------- model
 # Activation bytes of one layer, per token, as a multiple of the inputs and outputs of its matmuls (nn.Linear,
 # nn.Conv1d, and the `top_k` active experts of fused MoE weights) in the compute dtype, `(no grad, with autograd)`.
@@ -330,6 +361,16 @@ def dsa_selection_bytes(stats: ModelStats, queries: int, keys: int) -> int:
     return queries * (stats.index_topk + block) * (4 + 8) + min(INDEX_TILE, queries * stats.index_heads * block) * 4
 
 
+def exchange_rows(stats: ModelStats, rows: int) -> int:
+    """Query rows of every rank that one attention layer gathers at once when a round of the sharded prompt state
+    exchanges `rows` in all: `glm_moe_dsa` slices its exchanges (`glm_moe_dsa.EXCHANGE_ROWS`), the others do not."""
+    if stats.model_type != "glm_moe_dsa":
+        return rows
+    from .glm_moe_dsa import EXCHANGE_ROWS
+
+    return min(rows, EXCHANGE_ROWS)
+
+
 def activation_multiples(model_type: str) -> tuple[float, float]:
     """`(no grad, with autograd)` activation multiples of a model type (see `ACTIVATION_MULTIPLES`)."""
     return ACTIVATION_MULTIPLES.get(model_type, ACTIVATION_MULTIPLES["llama"])
@@ -364,6 +405,9 @@ class ModelStats:
         model_type: the config's, for its activation multiples (`ACTIVATION_MULTIPLES`).
         attention_heads, head_dim: query heads and their width, for the score tiles of the portable attention path.
         index_heads, index_topk: the DSA indexer's heads and top-k (`glm_moe_dsa`), for its selection buffers.
+        context_parallel_heads: see `context_parallel_heads` (0: context-parallel prompt passes for any shard group).
+        round_row_elems: per token, the record elements of one layer that a context-parallel round gathers from
+            every rank (`glm_moe_dsa`: the MLA row and the index key, `glm_moe_dsa.round_rows`); 0 for others.
     """
 
     total_params: int
@@ -391,6 +435,8 @@ class ModelStats:
     head_dim: int = 0
     index_heads: int = 0
     index_topk: int = 0
+    context_parallel_heads: int = 0
+    round_row_elems: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -495,6 +541,12 @@ def model_stats(
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         index_heads=getattr(config, "index_n_heads", 0) or 0,
         index_topk=getattr(config, "index_topk", 0) or 0,
+        context_parallel_heads=context_parallel_heads(config),
+        round_row_elems=(
+            config.kv_lora_rank + config.qk_rope_head_dim + config.index_head_dim
+            if config.model_type == "glm_moe_dsa"
+            else 0
+        ),
     )
 
 
@@ -521,8 +573,8 @@ class Setup:
         gpus: processes (one GPU each).
         gpu_memory: bytes per GPU (default 80 GB).
         shard_prompt_state: the prompt state and its gradient are split over the GPUs of a shard group.
-        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2, one group of
-            all GPUs (or no sharded state) lets FSDP2 gather layer by layer; smaller groups gather the whole model.
+        shard_group: GPUs per shard group (`prompt_shard_group_size`); 0 means all of them. Under FSDP2 every setup
+            gathers layer by layer (smaller groups pad their passes to the world's, as the ranks do unsharded).
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
@@ -539,8 +591,11 @@ class Setup:
             optimizer state live in host memory, and the optimizer steps there.
         offload_boundary_states: exact mode: the recurrent chunk-boundary states wait in pinned host memory
             (`LongStrawGRPOConfig.offload_boundary_states`).
+        attention_reuse: exact mode under gradient checkpointing: the reverse pass keeps each attention layer's
+            output for the recompute (`LongStrawGRPOConfig.reverse_attention_reuse`).
         gpus_per_node: processes per node, for the host memory of a node.
-        host_memory: host bytes per node for the offloaded items; None: not checked.
+        host_memory: host bytes per node for the offloaded items; None: not checked (the CLI's default is
+            `default_host_memory`).
         device: "cuda" (the planner's case) or "cpu", which attention kernels run (`score_tiles`).
     """
 
@@ -566,6 +621,7 @@ class Setup:
     ep_size: int = 0
     offload: bool = False
     offload_boundary_states: bool = False
+    attention_reuse: bool = True
     gpus_per_node: int = 8
     host_memory: int | None = None
     device: str = "cuda"
@@ -715,11 +771,11 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             on_gpu, detail = fsdp[name] + local[name], details[name]
         items.append(Item(name, on_gpu, detail, resident=name == "weights"))
     state_parts = (u.shard_group or u.gpus) if u.shard_prompt_state else 1
-    if shards > 1 and (not u.shard_prompt_state or state_parts == u.gpus):
-        # Lockstep passes (the sharded state's over all GPUs, or the data-parallel one: equal pass counts per rank):
-        # FSDP2 gathers and frees layer by layer (distributed.fsdp2_gathered with per_pass); the root's own
-        # parameters stay gathered, its gradient accumulates unreduced until the micro-batch's sync pass. Routed
-        # experts under expert parallelism are never gathered.
+    if shards > 1:
+        # Lockstep passes (the sharded state's over all GPUs, or equal pass counts per rank over the world, without a
+        # sharded state or with smaller shard groups): FSDP2 gathers and frees layer by layer
+        # (distributed.fsdp2_gathered); the root's own parameters stay gathered, its gradient accumulates unreduced
+        # until the micro-batch's sync pass. Routed experts under expert parallelism are never gathered.
         layer, layer_trainable = s.largest_layer_params, s.largest_layer_trainable
         if u.expert_parallel:
             # With EP groups smaller than the GPUs, FSDP2 gathers a layer's local experts over their replicas.
@@ -740,19 +796,6 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             staged = share(2 * layer * u.trainable_weight_bytes + layer_trainable * u.grad_bytes, shards)
             detail += f" + {_size(staged)} of shards staged from and to the host"
         items.append(Item("FSDP all-gathered", gathered * u.compute_bytes + staged, detail))
-    elif shards > 1:
-        # Shard groups smaller than the GPUs run different passes, so the engine gathers the whole model once per call
-        # and reduces the gradient once per micro-batch (docs/distributed.md).
-        whole = s.total_params - moved + s.trainable_params - moved_trainable
-        items.append(
-            Item(
-                "FSDP all-gathered",
-                whole * u.compute_bytes,
-                "whole model + its unreduced gradient, gathered once per engine call (shard groups smaller than the "
-                f"GPUs run different passes), {u.compute_bytes} B each"
-                + (", routed experts excluded" if moved else ""),
-            )
-        )
     tokens = state_tokens(u.positions)
     chunks = -(-tokens // u.prefill_chunk_size)
     # Per-token records (attention K/V, MLA latents) are split over the shard group. The fixed recurrent records
@@ -833,9 +876,12 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # A branch round gathers every rank's queries for one attention layer at a time, and returns fp32 partial
         # outputs (computed, sent, received: three copies).
         queries, outputs = s.query_exchange
-        exchange = state_parts * u.completion_length * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
+        rows = exchange_rows(s, state_parts * u.completion_length)
+        exchange = rows * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
         branch += exchange
         detail += f" + {_size(exchange)} exchanged by one attention layer across the {state_parts} ranks' branches"
+        if rows < state_parts * u.completion_length:
+            detail += f" ({rows:,} queries at a time)"
     # One branch at a time (see `Setup.group_size`): its completion's tokens are the queries.
     tiles = score_tiles(s, u.compute_bytes, u.completion_length, autograd=True, device=u.device)
     if tiles:
@@ -853,11 +899,31 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     if selection:
         tiles += selection
         scored += f" + {_size(selection)} of DSA top-k candidates"
+    heads = s.context_parallel_heads
+    if state_parts > 1 and (heads == 0 or (heads > 0 and heads % state_parts == 0)):
+        # Context-parallel prompt passes: each rank runs its own chunk of a round, and one attention layer at a
+        # time exchanges the round's queries and partial outputs.
+        exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
+        tiles += exchange
+        scored += f" + {_size(exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
+    if state_parts > 1 and s.round_row_elems:
+        # A context-parallel round of MLA + DSA: every rank's chunk rows (with their gradient in the reverse pass),
+        # and the branch-round exchange of the prefix for one layer, in slices of gathered queries.
+        queries, outputs = s.query_exchange
+        rows = exchange_rows(s, state_parts * chunk)
+        gathered = state_parts * chunk * s.round_row_elems * u.compute_bytes * (2 if exact else 1)
+        exchange = gathered + rows * (queries * u.compute_bytes + 3 * (outputs + 1) * 4)
+        tiles += exchange
+        scored += (
+            f" + {_size(exchange)} exchanged by one attention layer across the {state_parts} ranks' chunks of a "
+            f"context-parallel round ({rows:,} queries at a time, and the round's rows)"
+        )
     if exact:
         checkpointed = u.gradient_checkpointing and u.reverse_checkpointing
+        reuse = kept if checkpointed and u.attention_reuse else 0
         if checkpointed:
             # Each attention layer's output and log-sum-exp, kept from the forward for the recompute.
-            reverse_per_token = graph_per_token + kept
+            reverse_per_token = graph_per_token + reuse
         else:
             reverse_per_token = int(autograd * s.total_activation_elems * u.compute_bytes)
         items.append(
@@ -865,7 +931,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
                 "chunk activations",
                 chunk * reverse_per_token + tiles,
                 f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
-                + (", attention outputs kept for the recompute)" if checkpointed and kept else ")")
+                + (", attention outputs kept for the recompute)" if reuse else ")")
                 + ("" if checkpointed or not u.gradient_checkpointing else ", not checkpointed: every layer's graph")
                 + scored,
                 phase="activations",
@@ -967,6 +1033,14 @@ def suggestions(budget: Budget, free_bytes: int | None = None) -> list[str]:
         changes["shard_prompt_state=True"] = {"shard_prompt_state": True}
     if u.mode == "exact" and s.state_fixed and not u.offload_boundary_states:
         changes["offload_boundary_states=True"] = {"offload_boundary_states": True}
+    if (
+        u.mode == "exact"
+        and u.gradient_checkpointing
+        and u.reverse_checkpointing
+        and u.attention_reuse
+        and any(s.kept_attention)
+    ):
+        changes["reverse_attention_reuse=False (slower reverse pass)"] = {"attention_reuse": False}
     if not u.offload and u.fsdp and u.gpus > 1:
         changes["FSDP2 CPU offload of the weights, gradients and optimizer state"] = {"offload": True}
     if s.num_experts and not u.expert_parallel and u.gpus > 1 and s.num_experts % u.gpus == 0:
@@ -1050,6 +1124,22 @@ def _parse(text: str, unit: str) -> int:
         raise ValueError(f"cannot read {text!r}: expected {kind}")
     value = float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
     return int(round(value))
+
+
+# Host memory per GPU of a node when --host-memory is not given: a DGX H100 or DGX H200 has 2 TB of system memory for
+# its 8 GPUs (NVIDIA's data sheets), which the common 8-GPU HGX servers (H20 included) match or exceed.
+HOST_MEMORY_PER_GPU = 250 * 10**9
+NO_HOST_CHECK = -1
+
+
+def parse_host_memory(text: str) -> int:
+    """`--host-memory`: a byte size (`parse_bytes`), or `none` for no check (`NO_HOST_CHECK`)."""
+    return NO_HOST_CHECK if text.strip().lower() == "none" else parse_bytes(text)
+
+
+def default_host_memory(gpus: int, gpus_per_node: int) -> int:
+    """The planner's host memory per node when none is given: `HOST_MEMORY_PER_GPU` per process of the node."""
+    return HOST_MEMORY_PER_GPU * min(gpus, gpus_per_node)
 
 
 def _size(n: int | float) -> str:
@@ -1161,6 +1251,7 @@ def recipe_defaults(recipe: Recipe) -> dict:
         "no_gradient_checkpointing": not t.gradient_checkpointing,
         "lora_rank": m.lora_r if m.use_peft else None,
         "offload_boundary_states": t.offload_boundary_states,
+        "no_attention_reuse": not getattr(t, "reverse_attention_reuse", True),
         # Expert parallelism and FSDP2's CPU offload, where the config has them (`expert_parallel_size`,
         # `fsdp_cpu_offload`); accelerate's own `fsdp_offload_params` lives in the accelerate config: pass --offload.
         "cpu_offload": bool(getattr(t, "fsdp_cpu_offload", False)),
@@ -1297,8 +1388,9 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
-def format_host(budget: Budget) -> str:
-    """The host-memory part of a budget: the offloaded items per GPU, and their total per node."""
+def format_host(budget: Budget, default: bool = False) -> str:
+    """The host-memory part of a budget: the offloaded items per GPU, and their total per node (`default`: the
+    budget is the planner's default, `default_host_memory`)."""
     u = budget.setup
     width = max(len(i.name) for i in budget.items)
     procs = min(u.gpus, u.gpus_per_node)
@@ -1308,7 +1400,12 @@ def format_host(budget: Budget) -> str:
     total = f"  {'total':<{width}}  {_size(budget.host_per_node):>11}  "
     total += "(not counted: the processes' own memory, e.g. libraries, CUDA context, data)"
     lines.append(total)
-    budget_line = _size(u.host_memory) if u.host_memory is not None else "not checked (pass --host-memory)"
+    budget_line = _size(u.host_memory) if u.host_memory is not None else "not checked (--host-memory none)"
+    if default:
+        budget_line += (
+            f"  (default: {HOST_MEMORY_PER_GPU / 1e9:g} GB per process, a DGX H100/H200 node's 2 TB over 8 GPUs; "
+            "pass --host-memory)"
+        )
     lines.append(f"  {'host memory':<{width}}  {budget_line:>11}")
     return "\n".join(lines)
 
@@ -1369,13 +1466,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--host-memory",
-        type=parse_bytes,
+        type=parse_host_memory,
         default=None,
-        help="host memory per node for the offloaded items, e.g. 1TB; default: not checked",
+        help="host memory per node for the offloaded items, e.g. 1TB, or 'none' to skip the check; default "
+        f"{HOST_MEMORY_PER_GPU / 1e9:g} GB per process of a node (--gpus-per-node), as on a DGX H100/H200 "
+        "(2 TB for 8 GPUs)",
     )
     p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node, for host memory; default 8")
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--no-attention-reuse",
+        action="store_true",
+        help="exact mode: the reverse pass attends again in each checkpoint recompute instead of keeping the "
+        "attention outputs (reverse_attention_reuse=False): less memory, slower",
+    )
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
     p.set_defaults(lora_targets=None, offload_boundary_states=False, cpu_offload=False)
     return p
@@ -1422,6 +1527,11 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
     model = meta_model(config)
     stats = model_stats(model, config, lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     weight = 2 if args.precision == "bf16" else 4
+    host_memory = args.host_memory
+    if host_memory is None:
+        host_memory = default_host_memory(args.gpus, args.gpus_per_node)
+    elif host_memory == NO_HOST_CHECK:
+        host_memory = None
     setup = Setup(
         positions=args.positions,
         completion_length=args.completion_length,
@@ -1441,8 +1551,9 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         ep_size=args.ep_size,
         offload=args.offload or args.cpu_offload,
         offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
+        attention_reuse=not args.no_attention_reuse,
         gpus_per_node=args.gpus_per_node,
-        host_memory=args.host_memory,
+        host_memory=host_memory,
     )
     budget = estimate(stats, setup)
     refused = trainer_refusals(config, model, setup, recipe, original)
@@ -1486,7 +1597,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
     ]
     print("\n".join(header) + format_budget(budget, "per-GPU budget at the peak of a step:"))
     if budget.host:
-        print(format_host(budget))
+        print(format_host(budget, default=args.host_memory is None))
     longest = largest_positions(stats, setup)
     print()
     if budget.fits and refused:

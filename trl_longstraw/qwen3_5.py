@@ -37,9 +37,11 @@ matmuls autocast lowers to its dtype in both.
 Cost: stock's torch fallback of the chunked delta rule writes each chunk's output in place into one buffer and slices
 its inputs chunk by chunk; autograd turns both into full-size buffers per chunk, so its backward grows quadratically
 with the length of the forward. `torch_gated_delta_rule` below is the same algorithm with `unbind`/`stack`, whose
-backward is linear, so the cost of exact mode is linear in the prompt length for any chunk size. On CUDA, when `fla`
-is installed (the `[cuda]` extra), flash-linear-attention's kernels run the delta rule for bf16 or fp16 inputs (it
-rejects fp32) and the causal conv, both from the recorded state and both differentiable in it.
+backward is linear, so the cost of exact mode is linear in the prompt length for any chunk size. Without autograd
+(prefill, scoring) it builds its within-block `[B, H, n, 64, 64]` terms for groups of blocks no larger than the
+chunk's values, so a chunk's transient memory stays that of its inputs (same bits as building them at once). On CUDA,
+when `fla` is installed (the `[cuda]` extra), flash-linear-attention's kernels run the delta rule for bf16 or fp16
+inputs (it rejects fp32) and the causal conv, both from the recorded state and both differentiable in it.
 """
 
 from __future__ import annotations
@@ -133,50 +135,85 @@ def torch_gated_delta_rule(
     out_dtype = query.dtype
     batch, length, k_heads, k_dim = key.shape
     v_heads, v_dim = value.shape[-2:]
-    query, key, value, g, beta = _heads_fp32(query, key, value, g, beta)
-    query = query * k_dim**-0.5
-
-    # Zero padding to whole blocks: k = 0 and g = 0 leave the state unchanged.
-    pad = (block - length % block) % block
-    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
-    v_beta = value * beta.unsqueeze(-1)
-    k_beta = key * beta.unsqueeze(-1)
-    # [B, H, N, block, ...]
-    query, key, k_beta, v_beta = (
-        x.reshape(batch, v_heads, -1, block, x.shape[-1]) for x in (query, key, k_beta, v_beta)
+    blocks = -(-length // block)
+    # The within-block terms take `[B, H, n, block, block]` per tensor for n blocks. Computed for every block at once
+    # when autograd records (one graph node per operation, so the backward stays linear in the length); without it
+    # (prefill, scoring), for groups of blocks whose such tensor is no larger than the layer's values `[B, H, T, Dv]`,
+    # the inputs converted group by group too, so that the transient memory of a chunk does not exceed its inputs'.
+    # Every operation before the scan is per token or per block, so the results are the same bits.
+    recording = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (query, key, value, g, beta, initial_state) if x is not None
     )
-    g = g.reshape(batch, v_heads, -1, block)
-
+    per_group = blocks if recording else max(1, blocks * v_dim // block)
     upper = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
-    cum = g.cumsum(dim=3)
-    pairwise = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
-    # Within a block: the UT transform turns the sequential delta updates into triangular solves.
-    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
-    intra = (query @ key.transpose(-1, -2)) * pairwise
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(
-        ut_system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
-    )
-    query = query * cum.exp().unsqueeze(-1)
-    key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    block_decay = cum[..., -1].exp()[..., None, None]
 
     if initial_state is None:
         state = torch.zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=query.device)
     else:
         state = initial_state.to(torch.float32)
     outputs = []
-    # Across blocks: the sequential scan. `unbind` has one backward for all blocks, where indexing would have one
-    # full-size gradient buffer per block.
-    for q_i, k_i, a_i, u_i, w_i, d_i in zip(
-        *(x.unbind(2) for x in (query, key, intra, new_values, k_cumdecay, block_decay)), strict=True
-    ):
-        v_new = u_i - w_i @ state
-        outputs.append(q_i @ state + a_i @ v_new)
-        state = state * d_i + k_i.transpose(-1, -2) @ v_new
+    for first in range(0, blocks, per_group):
+        inputs = (query, key, value, g, beta)
+        if per_group < blocks:
+            span = slice(first * block, min((first + per_group) * block, length))
+            inputs = tuple(x[:, span] for x in inputs)
+        terms = _block_terms(*_blocked(*inputs, block), upper)
+        # Across blocks: the sequential scan. `unbind` has one backward for all blocks, where indexing would have one
+        # full-size gradient buffer per block.
+        for q_i, k_i, a_i, u_i, w_i, d_i in zip(*(x.unbind(2) for x in terms), strict=True):
+            v_new = u_i - w_i @ state
+            outputs.append(q_i @ state + a_i @ v_new)
+            state = state * d_i + k_i.transpose(-1, -2) @ v_new
+        del terms
     out = torch.stack(outputs, dim=2).reshape(batch, v_heads, -1, v_dim)[:, :, :length]
     return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), state
+
+
+def _blocked(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, block: int
+) -> tuple[torch.Tensor, ...]:
+    """The delta rule's inputs over `n` tokens (shapes as in `torch_gated_delta_rule`) as its blocks: scaled query,
+    key, `beta`-weighted key and value `[B, H, N, block, D]` in fp32, and `g` `[B, H, N, block]`, zero-padded to
+    whole blocks (k = 0 and g = 0 leave the state unchanged)."""
+    batch, length, k_heads, k_dim = key.shape
+    v_heads = value.shape[-2]
+    query, key, value, g, beta = _heads_fp32(query, key, value, g, beta)
+    query = query * k_dim**-0.5
+    pad = (block - length % block) % block
+    if pad:  # F.pad copies even when there is nothing to pad
+        query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+        beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+    del value, beta
+    # [B, H, N, block, ...]
+    query, key, k_beta, v_beta = (
+        x.reshape(batch, v_heads, -1, block, x.shape[-1]) for x in (query, key, k_beta, v_beta)
+    )
+    return query, key, k_beta, v_beta, g.reshape(batch, v_heads, -1, block)
+
+
+def _block_terms(
+    query: torch.Tensor, key: torch.Tensor, k_beta: torch.Tensor, v_beta: torch.Tensor, g: torch.Tensor, upper
+) -> tuple[torch.Tensor, ...]:
+    """The within-block terms of the chunked delta rule for `n` blocks: inputs `[B, H, n, block, D]` (`g`
+    `[B, H, n, block]`); returns the decayed queries and keys, the intra-block attention `[B, H, n, block, block]`,
+    the UT-transformed values and key decays, and the per-block decay `[B, H, n, 1, 1]`."""
+    cum = g.cumsum(dim=3)
+    pairwise = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    # Within a block: the UT transform turns the sequential delta updates into triangular solves.
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    intra = (query @ key.transpose(-1, -2)) * pairwise
+    del pairwise
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(
+        ut_system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    del ut_system
+    query = query * cum.exp().unsqueeze(-1)
+    key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    block_decay = cum[..., -1].exp()[..., None, None]
+    return query, key, intra, new_values, k_cumdecay, block_decay
 
 
 def _fla(kernel, query, key, value, g, beta, initial_state) -> tuple[torch.Tensor, torch.Tensor]:

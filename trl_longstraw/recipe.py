@@ -90,7 +90,10 @@ class LongStrawScriptArguments(ScriptArguments):
     )
     warmup_sft_steps: int = field(
         default=0,
-        metadata={"help": "Built-in tasks: supervised steps on short prompts' answers before GRPO (0: none)."},
+        metadata={
+            "help": "Built-in tasks: supervised steps on short prompts' answers before GRPO (0: none). With "
+            "--use_peft they train the adapter only (the saved and resumed weights)."
+        },
     )
     warmup_sft_prompt_tokens: int = field(default=32, metadata={"help": "Prompt length of the warm-up, in tokens."})
     warmup_sft_batch_size: int = field(default=16, metadata={"help": "Prompts per warm-up step."})

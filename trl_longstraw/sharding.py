@@ -181,6 +181,16 @@ class PromptShards:
             )
         return order, [[other[1][i] for other in everyone] for i in range(len(order))]
 
+    def extremes(self, values: list[int], device) -> tuple[list[int], list[int]]:
+        """The smallest and largest of each of `values` over the ranks of the group (one all-reduce).
+
+        Collective: every rank passes as many values, in one agreed order (e.g. of the prompts `agree` ordered).
+        """
+        both = torch.tensor([*values, *(-v for v in values)], dtype=torch.long, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        highest, negated = both.tolist()[: len(values)], both.tolist()[len(values) :]
+        return [-v for v in negated], highest
+
 
 def shard_group_size(world: int, requested: int, num_generations: int, rows_per_process: int) -> int:
     """The number of ranks per prompt shard group, checked against the way TRL spreads prompts over processes.
@@ -326,21 +336,25 @@ def merge_replicated(out: torch.Tensor, lse: torch.Tensor, shards: PromptShards)
     return num / den[..., None], merged_lse
 
 
-def gather_tokens(x: torch.Tensor, shards: PromptShards) -> torch.Tensor:
+def gather_tokens(x: torch.Tensor, shards: PromptShards, width: int | None = None) -> torch.Tensor:
     """Every rank's tokens, stacked: `x` `[T, ...]` (`T = shards.lengths[rank]`) -> `[W, Tmax, ...]`, zero-padded.
 
-    Collective; differentiable (the backward returns each rank the gradient of its own rows, summed over ranks).
+    With `width`, `x` is this rank's part of a slice of every rank's tokens, of at most `width` rows on every rank:
+    `[W, width, ...]`. Collective; differentiable (the backward returns each rank the gradient of its own rows, summed
+    over ranks).
     """
-    return _GatherTokens.apply(_pad_t(x, max(shards.lengths), 0), shards.world, shards.group)
+    width = max(shards.lengths) if width is None else width
+    return _GatherTokens.apply(_pad_t(x, width, 0), shards.world, shards.group)
 
 
-def return_tokens(x: torch.Tensor, shards: PromptShards) -> torch.Tensor:
+def return_tokens(x: torch.Tensor, shards: PromptShards, keep: int | None = None) -> torch.Tensor:
     """The inverse exchange of `gather_tokens`: `x` `[W, Tmax, ...]`, whose slice `j` was computed for the tokens of
-    rank `j`, is sent to rank `j`; returns `[W, T, ...]` whose slice `s` came from rank `s`.
+    rank `j`, is sent to rank `j`; returns `[W, T, ...]` whose slice `s` came from rank `s` (`[W, keep, ...]` for a
+    slice of which this rank has `keep` rows).
 
     Collective; differentiable.
     """
-    return _ReturnTokens.apply(x, shards.group)[:, : shards.lengths[shards.rank]]
+    return _ReturnTokens.apply(x, shards.group)[:, : shards.lengths[shards.rank] if keep is None else keep]
 
 
 def _pad_t(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
@@ -412,13 +426,34 @@ class _ShardedPrefixAttention(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
-    def forward(ctx, kind, scale: float, shards: PromptShards, q, k, v, *prefix):
+    def forward(ctx, kind, scale: float, shards: PromptShards, reuse: dict | None, q, k, v, *prefix):
+        lengths = list(shards.lengths)
+        _, hq, t, _ = q.shape
+        if lengths[shards.rank] != t:
+            raise RuntimeError(f"sharded attention: this rank runs {t} query tokens, the pass declared {lengths}")
+        if reuse:
+            # Gradient checkpointing's recompute of the call that filled `reuse` (every rank recomputes the same
+            # layer of the same round, so all skip the exchange together): its inputs are those of the first call.
+            out, lse, extras, in_round = (reuse.pop(key) for key in ("out", "lse", "extras", "in_round"))
+            if out.shape[3] != t:
+                raise RuntimeError(f"attention reuse: kept output {tuple(out.shape)} for queries {tuple(q.shape)}")
+        else:
+            out, lse, extras, in_round = _ShardedPrefixAttention.attend(kind, scale, shards, q, k, v, prefix)
+            if reuse is not None:
+                reuse.update(out=out, lse=lse, extras=extras, in_round=in_round)
+        ctx.kind, ctx.scale, ctx.shards, ctx.lengths, ctx.in_round = kind, scale, shards, lengths, in_round
+        ctx.extras = extras
+        ctx.save_for_backward(q, k, v, out, lse, *prefix)
+        return out.view(1, hq, t, -1).to(q.dtype)
+
+    @staticmethod
+    def attend(kind, scale: float, shards: PromptShards, q, k, v, prefix):
+        """The forward's work: `(out [1, Hkv, g, T, Dv], lse [1, Hkv, g, T])` in the accumulation dtype, the kernel
+        extras per part, and whether the pass is a context-parallel round in which later ranks' queries saw `k`."""
         world, group, lengths = shards.world, shards.group, list(shards.lengths)
         _, hq, t, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         g, tmax = hq // hkv, max(lengths)
-        if lengths[shards.rank] != t:
-            raise RuntimeError(f"sharded attention: this rank runs {t} query tokens, the pass declared {lengths}")
         # Every rank's queries, stacked along the token axis: [1, Hkv, g, W * Tmax, D].
         qall = _all_gather(_pad_t(q, tmax, 2), world, group)
         qall = qall.view(world, hkv, g, tmax, d).permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, d)
@@ -450,10 +485,7 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         lse = torch.logsumexp(lses, dim=0, keepdim=True)  # [1, Hkv, g, T], finite: each query sees its own key
         weights = torch.exp(lses - lse)[..., None]
         out = (weights * torch.cat([o_self, received[..., :dv]], dim=0)).sum(0, keepdim=True)  # [1, Hkv, g, T, Dv]
-        ctx.kind, ctx.scale, ctx.shards, ctx.lengths, ctx.in_round = kind, scale, shards, lengths, in_round
-        ctx.extras = extras
-        ctx.save_for_backward(q, k, v, out, lse, *prefix)
-        return out.view(1, hq, t, dv).to(q.dtype)
+        return out, lse, extras, in_round
 
     @staticmethod
     @autocast_off
@@ -506,7 +538,7 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         dq_all = torch.zeros(qall.shape, dtype=acc, device=q.device)
         prefix_grads = []
         for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
-            need = ctx.needs_input_grad[6 + 2 * i] or ctx.needs_input_grad[7 + 2 * i]
+            need = ctx.needs_input_grad[7 + 2 * i] or ctx.needs_input_grad[8 + 2 * i]
             prefix_grads += _part_backward(
                 kind, extras[i], qall, pk, pv, dout_all, out_all, lse_all, delta_all, scale, need, dq_all
             )
@@ -534,7 +566,7 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         # Each rank's share of every rank's query gradient goes back to the query owner.
         shares = dq_all.view(hkv, g, world, tmax, d).permute(2, 0, 1, 3, 4)
         dq = dq + _all_to_all(shares, group).sum(0, keepdim=True)[:, :, :, :t]
-        return None, None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
+        return None, None, None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
 
 
 def sharded_prefix_attention(
@@ -544,6 +576,7 @@ def sharded_prefix_attention(
     prefix: list[tuple[torch.Tensor, torch.Tensor] | None],
     scale: float,
     shards: PromptShards,
+    reuse: dict | None = None,
 ) -> torch.Tensor:
     """`prefix_merge_attention` over a prefix whose chunks are spread over the ranks of `shards`.
 
@@ -554,6 +587,8 @@ def sharded_prefix_attention(
         key, value: `[1, Hkv, T, D]` (`Dv` for value), the keys of the queries' own positions (causal).
         prefix: the visible chunk records `(k_i, v_i)` `[1, Hkv, S_i, D]`, `None` for chunks held by other ranks.
         scale: softmax scale.
+        reuse: the exact-mode reverse pass's slot for gradient checkpointing (`prefix_merge_attention`'s `reuse`):
+            the forward keeps its output and log-sum-exp there and the recompute takes them, skipping its exchange.
 
     Returns:
         `[1, Hq, T, Dv]` in the dtype of `query`.
@@ -565,10 +600,11 @@ def sharded_prefix_attention(
     if shards.same_queries:
         # Every rank runs these queries: each attends them to its own chunks (through the fused kernels where they
         # apply) and the parts merge by all-reduce.
-        return prefix_merge_attention(query, key, value, [kv for kv in prefix if kv is not None], scale, shards)
+        own = [kv for kv in prefix if kv is not None]
+        return prefix_merge_attention(query, key, value, own, scale, shards, reuse=reuse)
     flat = [x for kv in prefix if kv is not None for x in kv]
     kind = _kernel_for(query, key, value)
-    return _ShardedPrefixAttention.apply(kind, scale, shards, query, key, value, *flat)
+    return _ShardedPrefixAttention.apply(kind, scale, shards, reuse, query, key, value, *flat)
 
 
 def sharded_decode_attention(
@@ -645,6 +681,6 @@ def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
             query, key, value, p.prompt_records(layer_idx), p.tail.records(layer_idx), scale, p.shard
         )
     else:
-        out = sharded_prefix_attention(query, key, value, records, scale, p.shard)
+        out = sharded_prefix_attention(query, key, value, records, scale, p.shard, p.attention_reuse(layer_idx))
     p.emit(layer_idx, (key, value), sharded=True)
     return out

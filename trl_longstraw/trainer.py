@@ -92,6 +92,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._check_dataset()
         self._engines: dict[int, Engine] = {}
         self._prompt_shards = self._make_prompt_shards()
+        self._choose_generation()
         # Bytes the engines may hold in prompt states beyond the one in use (`Engine.hold_budget`): no limit on CPU;
         # on GPU the newest state only until the memory guard has measured what is left (`_check_memory`); sharded,
         # the newest only, as the ranks must agree on which states they hold.
@@ -156,42 +157,48 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         if self.ref_model is not None:
             get_adapter(_causal_lm(self.ref_model))
+
+    def _choose_generation(self) -> None:
+        """Shared-prompt generation (`generation.py`) where it applies, else transformers' `generate` with a warning
+        saying why. Needs the prompt shards (`_make_prompt_shards`)."""
         self._shared_generation = False
-        if self.args.shared_generation and not self.use_vllm and not self.use_transformers_continuous_batching:
-            if self.args.shard_prompt_state and not getattr(adapter, "decodes_sharded", False):
-                logger.warning(
-                    f"model_type {_causal_lm(self.model).config.model_type!r} does not decode against a sharded "
-                    "prompt state yet: with shard_prompt_state=True, generation runs through transformers' generate."
-                )
-            elif self.args.expert_parallel_size > 1:
-                # The experts' all-to-alls need every rank to decode the same number of steps, which transformers'
-                # generate arranges for a model it sharded (synced_gpus); the shared-prompt decoding's lockstep is not
-                # tested with an expert-parallel model yet.
-                logger.warning(
-                    "shared_generation is not supported with expert_parallel_size > 1 yet: generation runs through "
-                    "transformers' generate (synced_gpus)."
-                )
-            elif hasattr(adapter, "decode_tail") and self.is_fsdp_enabled and not self._generation_in_lockstep():
-                logger.warning(
-                    "under FSDP, transformers' generate runs every process in lockstep (synced_gpus), which shared-"
-                    "prompt generation does only with the prompt state sharded over every process "
-                    "(shard_prompt_state=True, prompt_shard_group_size=0): generation runs through transformers' "
-                    "generate."
-                )
-            elif hasattr(adapter, "decode_tail"):
-                check_generation_config(self.generation_config)
-                self._shared_generation = True
-            else:
-                logger.warning(
-                    f"model_type {_causal_lm(self.model).config.model_type!r} has no shared-prompt decoding yet: "
-                    "generation runs through transformers' generate, which prefills each prompt G times."
-                )
+        if not self.args.shared_generation or self.use_vllm or self.use_transformers_continuous_batching:
+            return
+        adapter = get_adapter(_causal_lm(self.model))
+        model_type = _causal_lm(self.model).config.model_type
+        if not hasattr(adapter, "decode_tail"):
+            logger.warning(
+                f"model_type {model_type!r} has no shared-prompt decoding yet: generation runs through transformers' "
+                "generate, which prefills each prompt G times."
+            )
+        elif self.args.shard_prompt_state and not getattr(adapter, "decodes_sharded", False):
+            logger.warning(
+                f"model_type {model_type!r} does not decode against a sharded prompt state yet: with "
+                "shard_prompt_state=True, generation runs through transformers' generate."
+            )
+        elif not self._generation_in_lockstep():
+            # Shard groups smaller than the world pad their loss passes to the world's (`Engine.lockstep`), but
+            # shared-prompt decoding has no such padding across groups yet; transformers' generate runs every process
+            # in lockstep under FSDP (synced_gpus).
+            logger.warning(
+                "under FSDP2 with shard groups smaller than the world (prompt_shard_group_size), the ranks cannot "
+                "decode in one lockstep: generation runs through transformers' generate (synced_gpus). Set "
+                "prompt_shard_group_size=0 (one group of all processes) or shard_prompt_state=False for shared-prompt "
+                "generation."
+            )
+        else:
+            check_generation_config(self.generation_config)
+            self._shared_generation = True
 
     def _generation_in_lockstep(self) -> bool:
-        """Whether every process decodes in one lockstep (a single process, or the prompt state sharded over all)."""
+        """Whether the processes can decode as FSDP2 needs: every forward on every rank (one process; no FSDP2, whose
+        forwards issue no collective; the prompt state sharded over every process; or not sharded, in the engine's
+        data-parallel lockstep). FSDP2 is accelerate's, or transformers' under expert parallelism."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return True
-        return self._prompt_shards is not None and self._prompt_shards.world == dist.get_world_size()
+        if not (self.is_fsdp_enabled or fsdp2_root(self.model) is not None):
+            return True
+        return self._prompt_shards is None or self._prompt_shards.world == dist.get_world_size()
 
     def _check_dataset(self) -> None:
         """The training dataset's prompt column, and its longest prompts against the model's RoPE window.
@@ -219,12 +226,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         size = shard_group_size(world, self.args.prompt_shard_group_size, self.num_generations, rows)
         if size == world:
             return PromptShards(None)
-        if self.is_fsdp_enabled:
-            logger.warning(
-                f"prompt_shard_group_size={size} < {world} processes under FSDP: the shard groups run different "
-                "passes, so the engine gathers the whole model for each call instead of layer by layer. Set "
-                "prompt_shard_group_size=0 (one group of all processes) unless the model fits whole on one GPU."
-            )
+        # Under FSDP2 the groups run their passes padded to the world's agreed counts (`Engine.lockstep`), so FSDP2
+        # still gathers layer by layer.
         group = None
         for first in range(0, world, size):  # every rank creates every group, as new_group requires
             ranks = list(range(first, first + size))
@@ -307,6 +310,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 autocast=self._autocast,
                 offload_boundaries=self.args.offload_boundary_states,
                 checkpoint_reverse=self.args.reverse_checkpointing,
+                attention_reuse=self.args.reverse_attention_reuse,
             )
             engine.hold_budget = self._hold_budget
             self._engines[id(causal_lm)] = engine
@@ -441,11 +445,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
         In training, the loss pass that follows with the same weights (`num_iterations=1`, or the first iteration)
         takes them instead of prefilling again (`Engine.offer`); exact mode needs the recurrent chunk boundaries.
-        Not with per-call RoPE (dynamic, longrope): generation pins other frequencies than the loss pass. Not with a
-        sharded prompt state: the ranks of a shard group prefill together, so they must agree on which prompts they
-        take, and which prompts have no left padding differs from rank to rank.
+        Not with per-call RoPE (dynamic, longrope): generation pins other frequencies than the loss pass. Every
+        prompt is offered at the positions the loss pass gives it (after its left padding in the batch); with a
+        sharded prompt state, the ranks of a shard group agree on which prompts they offer and take (see
+        `generation.generate_shared` and `Engine._agree_held`).
         """
-        if not self.model.training or engine.rope.modules or self._prompt_shards is not None:
+        if not self.model.training or engine.rope.modules:
             return None
         return self.args.prompt_gradient == "exact"
 

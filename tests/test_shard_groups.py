@@ -1,0 +1,166 @@
+"""Prompt shard groups smaller than the world under FSDP2, on 4 CPU processes with gloo (2 groups of 2 ranks).
+
+One `torchrun` launch of `tests/group_worker.py` runs every model (see its docstring); the tests below check its
+results against a single-process run of the same global batches in this process, for a tiny dense model (llama), a
+tiny qwen3_5 (Gated DeltaNet + gated attention) and a tiny glm_moe_dsa (MLA + DSA + MoE). The groups hold different
+prompts, chunks and completions: the engine pads each group's passes to the world's agreed counts (fillers that do
+not touch the sharded attention), so FSDP2, whose collectives span the world, gathers and frees layer by layer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from dist_worker import trainer_config
+from group_worker import GROUP_SIZE, WORLD, make_group_batches
+from tolerances import SHARDED_GRAD_RTOL
+from transformers import AutoConfig
+
+from trl_longstraw import LongStrawGRPOTrainer
+from trl_longstraw.testing import build_tokenizer, save_tiny_model
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
+# Seconds for the whole 4-process launch (3 models): 480 s on 2 cores under a load average of 20-28.
+LAUNCH_TIMEOUT = 900
+# Collectives that FSDP2 issues over the world (per-layer all-gathers, reduce-scatters).
+FSDP2_COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_path, tmp_path_factory):
+    """family -> path of a tiny model with at least 3 decoder layers (so that 2 gathered are not all of them)."""
+    paths = {}
+    for family in FAMILIES:
+        path = tiny_model_path(family)
+        if AutoConfig.from_pretrained(path).num_hidden_layers < 3:
+            path = save_tiny_model(tmp_path_factory.mktemp(f"groups-{family}") / "model", family, num_hidden_layers=4)
+        paths[family] = path
+    return paths
+
+
+@pytest.fixture(scope="module")
+def launch(models, tmp_path_factory):
+    """Runs the worker on 4 processes for every model; returns `(batches, results by family, return code, output)`."""
+    tmp = tmp_path_factory.mktemp("groups")
+    batches = make_group_batches(len(build_tokenizer()))
+    torch.save(batches, tmp / "batches.pt")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD)]
+    command += [str(ROOT / "tests" / "group_worker.py"), str(tmp / "batches.pt"), str(tmp / "out.pt")]
+    command += [str(models[family]) for family in FAMILIES]
+    # A session of its own, so that a hang is ended with the workers, not only the launcher.
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:  # a hang: the collectives did not meet
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the 4-process run did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
+    results = None
+    if (tmp / "out.pt").exists():
+        by_path = torch.load(tmp / "out.pt")
+        results = {family: by_path[str(models[family])] for family in FAMILIES}
+    return batches, results, proc.returncode, output
+
+
+def _results(launch) -> dict:
+    _, results, code, output = launch
+    assert code == 0 and results is not None, f"the 4-process run failed:\n{output[-6000:]}"
+    assert "Traceback" not in output
+    return results
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(models, launch, family):
+    """Single-process gradients of the same global batches: `{"exact": ..., "detached": ...}`."""
+    batches = launch[0]
+    path = models[family]
+    config = trainer_config(str(Path(path) / "out-groups"), num_generations=2)
+    trainer = LongStrawGRPOTrainer(
+        str(path), lambda completions, **kw: [0.0] * len(completions), config, Dataset.from_dict({"prompt": ["a"] * 8})
+    )
+    trainer._prepare_inputs = lambda x: x
+    trainer.current_gradient_accumulation_steps = 1
+
+    def grads(keys: str, mode: str, checkpointing: bool) -> dict[str, torch.Tensor | None]:
+        trainer.args.prompt_gradient = mode
+        if checkpointing:
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            trainer.model.gradient_checkpointing_disable()
+        trainer.model.zero_grad(set_to_none=True)
+        for key in keys:  # gradient accumulation over the micro-batches
+            batch = {k: v for k, v in batches[key].items() if k != "rank"}
+            trainer.training_step(trainer.model, batch, batch["num_items_in_batch"])
+        return {n: None if p.grad is None else p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+    return {"exact": grads("GH", "exact", True), "detached": grads("G", "detached", False)}
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 180)
+@pytest.mark.parametrize("scenario", ["exact", "detached"])
+def test_gradients_match_single_process(launch, reference, family, scenario):
+    """With 2 shard groups of 2 ranks under FSDP2 over 4 (gradient accumulation in exact mode), every parameter's
+    gradient equals the single-process one of the same global batch; no rank hangs although the groups hold different
+    numbers of prompts, chunks and completions."""
+    got = _results(launch)[family]["grads"][scenario]
+    expected = reference[scenario]
+    assert set(got) == set(expected)
+    assert any(ref is not None for ref in expected.values())
+    for name, ref in expected.items():
+        if ref is None:  # no gradient at all (glm_moe_dsa's indexer, which runs without autograd as in stock)
+            assert got[name] is None or not got[name].any(), f"{scenario}: {name} got a gradient, stock has none"
+            continue
+        assert got[name] is not None, f"{scenario}: no gradient for {name}"
+        error = ((got[name] - ref).norm() / ref.norm()).item()
+        assert error <= SHARDED_GRAD_RTOL, f"{scenario}: {name} relative error {error:.2e}"
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("scenario", ["exact", "detached"])
+def test_fsdp2_gathers_layer_by_layer(launch, family, scenario):
+    """Parameters stay DTensors (asserted in the worker) and, whenever FSDP2 gathers a parameter group on any rank, at
+    most 2 of the 3 or 4 decoder layers (the running one and one prefetched) are gathered or being gathered, and at
+    most 2 hold unsharded parameters: the whole model is never gathered."""
+    results = _results(launch)[family]
+    assert results["layers"] >= 3
+    for rank, per_rank in enumerate(results["gathered"]):
+        probes, held, unsharded = per_rank[scenario]
+        assert probes > 0, f"rank {rank}: FSDP2 gathered nothing"
+        assert held <= 2 and unsharded <= 2, f"rank {rank}: {held} layers gathered, {unsharded} unsharded"
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("scenario", ["exact", "detached"])
+def test_collectives_meet(launch, family, scenario):
+    """Every rank of the world issues the same FSDP2 collectives (shapes and order); the ranks of each shard group
+    issue the same collectives altogether, their sharded attention's among them (the fillers that pad a group to
+    the other's passes add none)."""
+    per_rank = _results(launch)[family]["collectives"]
+    assert len(per_rank) == WORLD
+    world_level = [[c for c in log[scenario] if c[0] in FSDP2_COLLECTIVES] for log in per_rank]
+    assert all(log == world_level[0] for log in world_level)
+    assert set(FSDP2_COLLECTIVES) <= {name for name, _ in world_level[0]}
+    for first in range(0, WORLD, GROUP_SIZE):
+        group = [per_rank[r][scenario] for r in range(first, first + GROUP_SIZE)]
+        assert all(log == group[0] for log in group), f"the ranks of the group from {first} differ"
+        assert "all_to_all_single" in {name for name, _ in group[0]}
+    # The groups run different prompts, so their own collectives differ.
+    assert per_rank[0][scenario] != per_rank[GROUP_SIZE][scenario]
