@@ -1252,6 +1252,7 @@ def recipe_defaults(recipe: Recipe) -> dict:
         "lora_rank": m.lora_r if m.use_peft else None,
         "offload_boundary_states": t.offload_boundary_states,
         "no_attention_reuse": not getattr(t, "reverse_attention_reuse", True),
+        "no_reverse_checkpointing": not getattr(t, "reverse_checkpointing", True),
         # Expert parallelism and FSDP2's CPU offload, where the config has them (`expert_parallel_size`,
         # `fsdp_cpu_offload`); accelerate's own `fsdp_offload_params` lives in the accelerate config: pass --offload.
         "cpu_offload": bool(getattr(t, "fsdp_cpu_offload", False)),
@@ -1481,6 +1482,12 @@ def _parser() -> argparse.ArgumentParser:
         help="exact mode: the reverse pass attends again in each checkpoint recompute instead of keeping the "
         "attention outputs (reverse_attention_reuse=False): less memory, slower",
     )
+    p.add_argument(
+        "--no-reverse-checkpointing",
+        action="store_true",
+        help="exact mode: the reverse pass keeps each chunk's whole graph instead of recomputing its layers "
+        "(reverse_checkpointing=False): one forward less per chunk, more memory",
+    )
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
     p.set_defaults(lora_targets=None, offload_boundary_states=False, cpu_offload=False)
     return p
@@ -1552,6 +1559,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         offload=args.offload or args.cpu_offload,
         offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
         attention_reuse=not args.no_attention_reuse,
+        reverse_checkpointing=not args.no_reverse_checkpointing,
         gpus_per_node=args.gpus_per_node,
         host_memory=host_memory,
     )
