@@ -963,7 +963,7 @@ class Engine:
             t0 = time.perf_counter()
             done = 0
             # Unsharded only: sharded branch rounds mix real branches and fillers, which must exchange alike.
-            checkpointed = self._backbone().is_gradient_checkpointing and self.shards is None
+            checkpointed = self._backbone().is_gradient_checkpointing and self.attention_reuse and self.shards is None
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), use_pass(p):
                 for row in slot.rows:

@@ -861,7 +861,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     # forward (a reverse chunk's; an unsharded branch's too) for the recompute.
     outputs, lses = s.kept_attention
     kept = outputs * u.compute_bytes + lses * 4 if u.gradient_checkpointing else 0
-    branch_kept = kept if state_parts == 1 else 0
+    branch_kept = kept if state_parts == 1 and u.attention_reuse else 0
     if u.gradient_checkpointing:
         graph_per_token = s.num_layers * s.hidden_size * u.compute_bytes + layer
         how = "checkpointed: layer inputs + one recomputed layer and its gradients"
