@@ -155,8 +155,7 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "Exact mode with gradient checkpointing: keep each attention layer's output for the reverse "
-            "pass's recompute (and, unsharded, the loss pass branches' too) instead of attending (and "
-            "exchanging) again. Same gradients, faster; costs one "
+            "pass's recompute instead of attending (and exchanging) again. Same gradients, faster; costs one "
             "attention output per layer and chunk token. False: less memory."
         },
     )

@@ -962,8 +962,6 @@ class Engine:
                 state.requires_grad_()
             t0 = time.perf_counter()
             done = 0
-            # Unsharded only: sharded branch rounds mix real branches and fillers, which must exchange alike.
-            checkpointed = self._backbone().is_gradient_checkpointing and self.attention_reuse and self.shards is None
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), use_pass(p):
                 for row in slot.rows:
@@ -972,15 +970,11 @@ class Engine:
                         self._zero_branch(group, backward_fn, device)
                         continue
                     n = lengths[row]
-                    # The checkpoint's recompute takes each attention layer's output over the prompt (the costly part
-                    # of a branch) instead of attending again.
-                    with p.keeping_attention(checkpointed):
-                        lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
-                        p.filling = False
-                        surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
-                        if grad_entropies is not None:
-                            surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
-                        backward_fn(surrogate)
+                    lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
+                    surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
+                    if grad_entropies is not None:
+                        surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
+                    backward_fn(surrogate)
                 self._pad(slot, BRANCH, done, device, backward_fn)
             self.stats.replay_s += time.perf_counter() - t0
             self._pad(slot, REVERSE, self.reverse(group, state) if exact else 0, device)

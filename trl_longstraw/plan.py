@@ -858,20 +858,17 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     no_grad, autograd = activation_multiples(s.model_type)
     layer = int(autograd * s.layer_activation_elems * u.compute_bytes)
     # Under gradient checkpointing, each attention layer's output and log-sum-exp over the prompt, kept from a
-    # forward (a reverse chunk's; an unsharded branch's too) for the recompute.
+    # reverse chunk's forward for the recompute.
     outputs, lses = s.kept_attention
     kept = outputs * u.compute_bytes + lses * 4 if u.gradient_checkpointing else 0
-    branch_kept = kept if state_parts == 1 and u.attention_reuse else 0
     if u.gradient_checkpointing:
         graph_per_token = s.num_layers * s.hidden_size * u.compute_bytes + layer
         how = "checkpointed: layer inputs + one recomputed layer and its gradients"
-        if branch_kept:
-            how += ", attention outputs kept for the recompute"
     else:
         graph_per_token = int(autograd * s.total_activation_elems * u.compute_bytes)
         how = "every layer's activations and their gradients"
-    branch = u.completion_length * (graph_per_token + branch_kept)
-    detail = f"{u.completion_length:,} tokens x {_size(graph_per_token + branch_kept)} ({how})"
+    branch = u.completion_length * graph_per_token
+    detail = f"{u.completion_length:,} tokens x {_size(graph_per_token)} ({how})"
     if state_parts > 1:
         # A branch round gathers every rank's queries for one attention layer at a time, and returns fp32 partial
         # outputs (computed, sent, received: three copies).
