@@ -159,7 +159,7 @@ def run_config(args, model_path: str, label: str, completions: str) -> dict:
     cmd = [sys.executable, str(script), "--worker", f"--family={args.family}", f"--impl={impl}", f"--P={args.P}"]
     cmd += [f"--G={args.G}", f"--C={args.C}", f"--chunk={chunk}", f"--completions={completions}"]
     cmd += [f"--dtype={args.dtype}", f"--threads={args.threads}", f"--model-path={model_path}"]
-    cmd += [f"--mem-limit-gib={args.mem_limit_gib}"]
+    cmd += [f"--mem-limit-gib={args.mem_limit_gib}"] + ([] if args.reverse_ckpt else ["--no-reverse-ckpt"])
     env = {
         **os.environ,
         "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD,
@@ -297,7 +297,8 @@ def report(args, raw: dict, records: dict) -> list[str]:
         f"{args.jobs} configuration(s) at a time",
         f"- work: tiny {args.family}, one prompt of P={args.P} tokens, G={args.G} completions of at most C={args.C} "
         f"tokens ({'; '.join(f'{c}: {v}' for c, v in lengths.items())}); {args.dtype}; gradient checkpointing on "
-        f"(non-reentrant); ours with prefill_chunk_size {chunks} (the chunk column); a fresh process per "
+        f"(non-reentrant); ours with prefill_chunk_size {chunks} (the chunk column), reverse_checkpointing "
+        f"{args.reverse_ckpt}; a fresh process per "
         f"configuration, a "
         f"timeout of {args.timeout:.0f} s wall and a stop at {args.mem_limit_gib:g} GiB growth (OOM)",
         "- limit: one no-grad forward of the prompt alone (logits of its last token only); stock_best: "
@@ -336,6 +337,9 @@ def main(argv=None):
     parser.add_argument("--completions", default="ragged,full", help="comma-separated subset of ragged,full")
     parser.add_argument("--skip", default="", help="comma-separated implementations not to run (`detached@1024`)")
     parser.add_argument("--chunk", type=int, default=4096, help="prefill_chunk_size of ours (library default)")
+    parser.add_argument(
+        "--no-reverse-ckpt", dest="reverse_ckpt", action="store_false", help="ours with reverse_checkpointing=False"
+    )
     parser.add_argument("--more-chunks", default="", help="comma-separated other prefill_chunk_size values of ours")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per configuration")

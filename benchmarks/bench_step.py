@@ -118,11 +118,13 @@ def build_trainer(
     grad_ckpt: bool,
     dtype: str,
     rows_per_step: int | None = None,
+    reverse_ckpt: bool = True,
 ):
     """A trainer of `impl` on the saved model, set up to call `training_step` on hand-built micro-batches.
 
     `rows_per_step` (default `g`) is `per_device_train_batch_size`; below `g`, gradient accumulation covers the group
-    (`gradient_accumulation_steps = g / rows_per_step`), as a stock user sets it to bring memory down."""
+    (`gradient_accumulation_steps = g / rows_per_step`), as a stock user sets it to bring memory down. `reverse_ckpt`
+    is ours' `reverse_checkpointing`."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -151,7 +153,13 @@ def build_trainer(
     if impl == "stock":
         trainer = GRPOTrainer(model_path, reward, GRPOConfig(**common), train_dataset=dataset)
     else:
-        config = LongStrawGRPOConfig(**common, prompt_gradient=impl, prefill_chunk_size=chunk, prefill_progress=False)
+        config = LongStrawGRPOConfig(
+            **common,
+            prompt_gradient=impl,
+            prefill_chunk_size=chunk,
+            prefill_progress=False,
+            reverse_checkpointing=reverse_ckpt,
+        )
         trainer = LongStrawGRPOTrainer(model_path, reward, config, train_dataset=dataset)
     trainer._prepare_inputs = lambda x: x
     trainer.current_gradient_accumulation_steps = 1
@@ -192,7 +200,16 @@ def worker(args) -> None:
     )
     limit = int(args.mem_limit_gib * GIB)
 
-    trainer = build_trainer(args.impl, args.model_path, args.G, args.C, args.chunk, args.grad_ckpt, args.dtype)
+    trainer = build_trainer(
+        args.impl,
+        args.model_path,
+        args.G,
+        args.C,
+        args.chunk,
+        args.grad_ckpt,
+        args.dtype,
+        reverse_ckpt=args.reverse_ckpt,
+    )
     vocab = trainer.model.config.get_text_config().vocab_size
     device = trainer.accelerator.device
     # Warm-up on a short prompt: one-time allocations (gradient buffers, thread pools, lazy inits) happen here.
@@ -763,6 +780,9 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch threads per configuration (see README)")
     parser.add_argument("--jobs", type=int, default=2, help="configurations run at once, each in its own process")
     parser.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false", help="disable gradient ckpt")
+    parser.add_argument(
+        "--no-reverse-ckpt", dest="reverse_ckpt", action="store_false", help="ours with reverse_checkpointing=False"
+    )
     parser.add_argument("--timeout", type=float, default=400, help="wall seconds per configuration")
     parser.add_argument("--mem-limit-gib", type=float, default=6, help="growth at which a configuration is stopped")
     parser.add_argument("--budget-gib", type=float, default=2.0, help="growth budget of the largest-prompt estimate")

@@ -6,6 +6,8 @@ a completion of length 1, ragged completions, and a prefill chunk size that divi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -244,7 +246,7 @@ def test_reverse_pass_reuses_attention_in_checkpoint_recompute(tiny_model_path, 
     assert 0 < reused < len(calls)
     assert losses == ref_losses
     assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
-    # reverse_attention_reuse=False: the reverse pass attends again in its recompute (the branches still reuse).
+    # reverse_attention_reuse=False: the reverse pass attends again in its recompute.
     recomputed = len(calls)
     calls.clear()
     ours.args.reverse_attention_reuse = False
@@ -256,3 +258,36 @@ def test_reverse_pass_reuses_attention_in_checkpoint_recompute(tiny_model_path, 
         ours._engines.clear()
     assert reused < len(calls) <= recomputed
     assert off_losses == losses and all(torch.equal(off_grads[n], grads[n]) for n in grads)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_reverse_pass_without_checkpointing_matches(tiny_model_path, family):
+    """Exact mode under gradient checkpointing with `reverse_checkpointing=False`: the reverse pass keeps each chunk's
+    graph instead of recomputing its layers (fewer MLP forwards), and the loss and every gradient equal those of the
+    checkpointed reverse pass."""
+    path = tiny_model_path(family)
+    results, calls = [], []  # calls: one entry per MLP forward, the run's `checkpointed`
+    for checkpointed in (True, False):
+        ours = make_trainer(
+            path,
+            prefill_chunk_size=CHUNK,
+            prefill_progress=False,
+            gradient_checkpointing=True,
+            reverse_checkpointing=checkpointed,
+        )
+        before = len(calls)
+        # Wrapped forwards, not forward hooks: gradient checkpointing's recompute runs no module hooks.
+        for name, mlp in ours.model.named_modules():
+            if name.endswith(".mlp"):
+                mlp.forward = functools.partial(_counted, mlp.forward, calls, checkpointed)
+        results.append(run_steps(ours, [micro_batch(seed=3)]))
+        assert len(calls) > before
+    (losses, grads), (ref_losses, ref_grads) = results[1], results[0]
+    assert calls.count(False) < calls.count(True)
+    assert losses == ref_losses
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
+def _counted(forward, calls: list, tag, *args, **kwargs):
+    calls.append(tag)
+    return forward(*args, **kwargs)

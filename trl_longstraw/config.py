@@ -40,6 +40,11 @@ class LongStrawGRPOConfig(GRPOConfig):
             Ranks per shard group, consecutive in rank order (e.g. the GPUs of one node); `0` means all processes.
             Must divide the number of processes. Under FSDP2 smaller groups pad their passes to the other groups'
             (one-token filler passes), so FSDP2 gathers the model layer by layer with any group size.
+        reverse_checkpointing (`bool`, *optional*, defaults to `True`):
+            Exact mode with `gradient_checkpointing`: the reverse pass recomputes each layer of a prompt chunk during
+            the chunk's backward, as stock's checkpointing does. `False` keeps the chunk's whole autograd graph
+            instead: one forward of the chunk less (benchmarks/LIMIT.md), every layer's activations of one chunk live
+            at once; a smaller `prefill_chunk_size` brings that memory back down. Same gradients.
         offload_boundary_states (`bool`, *optional*, defaults to `False`):
             Exact mode: keep the recurrent layers' state at each prompt chunk boundary (Gated DeltaNet; needed only by
             the reverse pass) in host memory, pinned on CUDA, and bring each back one chunk ahead of the reverse pass
@@ -128,6 +133,15 @@ class LongStrawGRPOConfig(GRPOConfig):
             "help": "Ranks per prompt shard group, consecutive in rank order (e.g. one node's GPUs); 0 means all "
             "processes. Must divide the number of processes. Under FSDP2 smaller groups pad their passes to the other "
             "groups' (one-token fillers), so FSDP2 gathers layer by layer with any group size."
+        },
+    )
+    reverse_checkpointing: bool = field(
+        default=True,
+        metadata={
+            "help": "Exact mode under gradient checkpointing: recompute each layer of a reverse-pass chunk during "
+            "its backward (the least memory). False keeps the chunk's whole autograd graph instead: one forward less "
+            "per chunk (the tiny qwen3_5 step about 15% faster), with every layer's activations of one chunk live; "
+            "pair it with a smaller prefill_chunk_size. Identical gradients."
         },
     )
     offload_boundary_states: bool = field(

@@ -362,6 +362,9 @@ class Engine:
             `contextlib.nullcontext`.
         offload_boundaries: keep the exact-mode recurrent chunk boundaries in host memory between the prefill and
             the reverse pass (`offload.HostBoundaries`).
+        checkpoint_reverse: under gradient checkpointing, let the reverse pass recompute each layer of a chunk in its
+            backward (True), or turn checkpointing off for the reverse pass's chunks, which then keep their whole
+            graph and skip that recompute (`LongStrawGRPOConfig.reverse_checkpointing`).
         attention_reuse: under gradient checkpointing, the reverse pass's recompute takes each attention layer's
             output kept by its forward instead of attending again (`Pass.attention_reuse`; same gradients, one
             attention output per layer and chunk token of memory).
@@ -377,9 +380,11 @@ class Engine:
         shards=None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         offload_boundaries: bool = False,
+        checkpoint_reverse: bool = True,
         attention_reuse: bool = True,
     ):
         self.model = model
+        self.checkpoint_reverse = checkpoint_reverse
         self.offload_boundaries = offload_boundaries
         self.attention_reuse = attention_reuse
         self.autocast = autocast
@@ -609,9 +614,16 @@ class Engine:
                     start, end, cp = self._declare(c, bounds)
                     p = Pass(state, visible=c, shard=self.shards, cp=cp)
                     p.sink = {}
-                    checkpointed = self._backbone().is_gradient_checkpointing and self.attention_reuse
+                    checkpointed = (
+                        self._backbone().is_gradient_checkpointing and self.checkpoint_reverse and self.attention_reuse
+                    )
                     # The recompute of each layer takes its attention's output instead of attending again.
-                    with use_pass(p), torch.enable_grad(), p.keeping_attention(checkpointed):
+                    with (
+                        use_pass(p),
+                        torch.enable_grad(),
+                        _checkpointing_off(self._backbone(), not self.checkpoint_reverse),
+                        p.keeping_attention(checkpointed),
+                    ):
                         with self.autocast():
                             hidden = self._backbone()(
                                 input_ids=prefix[None, start:end],
@@ -689,7 +701,6 @@ class Engine:
         else:
             ids, positions, labels = self._branch(group, group.tokens[-1:], 1)
         lp, ent = self._forward_branch(ids, positions, labels)
-        active_pass().filling = False  # the backward's checkpoint recompute takes what the forward kept
         if backward_fn is not None:
             backward_fn(lp.sum() * 0 + (0 if ent is None else ent.sum() * 0))
 
@@ -951,30 +962,37 @@ class Engine:
                 state.requires_grad_()
             t0 = time.perf_counter()
             done = 0
-            checkpointed = self._backbone().is_gradient_checkpointing
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
             with self.adapter.activate(), use_pass(p):
                 for row in slot.rows:
                     done += 1
                     if row is None:
-                        # As a real branch: the ranks of the group recompute (or reuse) the same attention exchanges.
-                        with p.keeping_attention(checkpointed):
-                            self._zero_branch(group, backward_fn, device)
+                        self._zero_branch(group, backward_fn, device)
                         continue
                     n = lengths[row]
-                    # The checkpoint's recompute takes each attention layer's output over the prompt (the costly part
-                    # of a branch) instead of attending again.
-                    with p.keeping_attention(checkpointed):
-                        lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
-                        p.filling = False
-                        surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
-                        if grad_entropies is not None:
-                            surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
-                        backward_fn(surrogate)
+                    lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
+                    surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
+                    if grad_entropies is not None:
+                        surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
+                    backward_fn(surrogate)
                 self._pad(slot, BRANCH, done, device, backward_fn)
             self.stats.replay_s += time.perf_counter() - t0
             self._pad(slot, REVERSE, self.reverse(group, state) if exact else 0, device)
             self._held.pop(_key(group), None)
+
+
+@contextlib.contextmanager
+def _checkpointing_off(backbone, off: bool):
+    """With `off`, the checkpointed decoder layers of `backbone` run without checkpointing inside the block (forward
+    and backward): their autograd graph is kept instead of recomputed. Nothing otherwise."""
+    layers = [m for m in backbone.modules() if getattr(m, "gradient_checkpointing", False)] if off else []
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
 
 
 def _key(group: PromptGroup) -> tuple[int, bytes]:

@@ -123,6 +123,7 @@ def runtime_budget(
         ep_size=getattr(args, "expert_parallel_size", 1) if getattr(args, "expert_parallel_size", 1) > 1 else 0,
         offload=offload,
         offload_boundary_states=bool(getattr(args, "offload_boundary_states", False)),
+        reverse_checkpointing=bool(getattr(args, "reverse_checkpointing", True)),
         attention_reuse=bool(getattr(args, "reverse_attention_reuse", True)),
     )
     return estimate(stats, setup)

@@ -650,6 +650,8 @@ class Setup:
         fsdp: weights, gradients and optimizer state are sharded over the GPUs (FSDP2 full sharding); otherwise
             replicated (DDP).
         gradient_checkpointing: decoder layers keep only their input and are recomputed in backward.
+        reverse_checkpointing: exact mode under gradient checkpointing: the reverse pass's chunks are checkpointed
+            too (`LongStrawGRPOConfig.reverse_checkpointing`); False keeps a chunk's whole graph.
         trainable_weight_bytes, frozen_weight_bytes, grad_bytes, optimizer_bytes: per parameter, as stored
             (optimizer: AdamW's two moments). Default: mixed precision as Accelerate's FSDP2 sets it up
             (trainable weights upcast to fp32, frozen ones kept in bf16, fp32 gradients and AdamW states).
@@ -680,6 +682,7 @@ class Setup:
     shard_group: int = 0
     fsdp: bool = True
     gradient_checkpointing: bool = True
+    reverse_checkpointing: bool = True
     trainable_weight_bytes: int = 4
     frozen_weight_bytes: int = 2
     grad_bytes: int = 4
@@ -926,6 +929,10 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     )
     no_grad, autograd = activation_multiples(s.model_type)
     layer = int(autograd * s.layer_activation_elems * u.compute_bytes)
+    # Under gradient checkpointing, each attention layer's output and log-sum-exp over the prompt, kept from a
+    # reverse chunk's forward for the recompute.
+    outputs, lses = s.kept_attention
+    kept = outputs * u.compute_bytes + lses * 4 if u.gradient_checkpointing else 0
     if u.gradient_checkpointing:
         graph_per_token = s.num_layers * s.hidden_size * u.compute_bytes + layer
         how = "checkpointed: layer inputs + one recomputed layer and its gradients"
@@ -985,18 +992,20 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             f"context-parallel round ({rows:,} queries at a time, and the round's rows)"
         )
     if exact:
-        reverse_per_token = graph_per_token
-        kept = u.gradient_checkpointing and u.attention_reuse and any(s.kept_attention)
-        if kept:
+        checkpointed = u.gradient_checkpointing and u.reverse_checkpointing
+        reuse = kept if checkpointed and u.attention_reuse else 0
+        if checkpointed:
             # Each attention layer's output and log-sum-exp, kept from the forward for the recompute.
-            outputs, lses = s.kept_attention
-            reverse_per_token += outputs * u.compute_bytes + lses * 4
+            reverse_per_token = graph_per_token + reuse
+        else:
+            reverse_per_token = int(autograd * s.total_activation_elems * u.compute_bytes)
         items.append(
             Item(
                 "chunk activations",
                 chunk * reverse_per_token + tiles,
                 f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
-                + (", attention outputs kept for the recompute)" if kept else ")")
+                + (", attention outputs kept for the recompute)" if reuse else ")")
+                + ("" if checkpointed or not u.gradient_checkpointing else ", not checkpointed: every layer's graph")
                 + scored,
                 phase="activations",
             )
@@ -1099,7 +1108,13 @@ def suggestions(budget: Budget, free_bytes: int | None = None) -> list[str]:
         changes["shard_prompt_state=True"] = {"shard_prompt_state": True}
     if u.mode == "exact" and s.state_fixed and not u.offload_boundary_states:
         changes["offload_boundary_states=True"] = {"offload_boundary_states": True}
-    if u.mode == "exact" and u.gradient_checkpointing and u.attention_reuse and any(s.kept_attention):
+    if (
+        u.mode == "exact"
+        and u.gradient_checkpointing
+        and u.reverse_checkpointing
+        and u.attention_reuse
+        and any(s.kept_attention)
+    ):
         changes["reverse_attention_reuse=False (slower reverse pass)"] = {"attention_reuse": False}
     if not u.offload and u.fsdp and u.gpus > 1:
         changes["FSDP2 CPU offload of the weights, gradients and optimizer state"] = {"offload": True}
@@ -1312,6 +1327,7 @@ def recipe_defaults(recipe: Recipe) -> dict:
         "lora_rank": m.lora_r if m.use_peft else None,
         "offload_boundary_states": t.offload_boundary_states,
         "no_attention_reuse": not getattr(t, "reverse_attention_reuse", True),
+        "no_reverse_checkpointing": not getattr(t, "reverse_checkpointing", True),
         # Expert parallelism and FSDP2's CPU offload, where the config has them (`expert_parallel_size`,
         # `fsdp_cpu_offload`); accelerate's own `fsdp_offload_params` lives in the accelerate config: pass --offload.
         "cpu_offload": bool(getattr(t, "fsdp_cpu_offload", False)),
@@ -1541,6 +1557,12 @@ def _parser() -> argparse.ArgumentParser:
         help="exact mode: the reverse pass attends again in each checkpoint recompute instead of keeping the "
         "attention outputs (reverse_attention_reuse=False): less memory, slower",
     )
+    p.add_argument(
+        "--no-reverse-checkpointing",
+        action="store_true",
+        help="exact mode: the reverse pass keeps each chunk's whole graph instead of recomputing its layers "
+        "(reverse_checkpointing=False): one forward less per chunk, more memory",
+    )
     p.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free; default 0.05")
     p.set_defaults(lora_targets=None, offload_boundary_states=False, cpu_offload=False)
     return p
@@ -1612,6 +1634,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         offload=args.offload or args.cpu_offload,
         offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
         attention_reuse=not args.no_attention_reuse,
+        reverse_checkpointing=not args.no_reverse_checkpointing,
         gpus_per_node=args.gpus_per_node,
         host_memory=host_memory,
     )

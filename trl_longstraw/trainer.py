@@ -309,6 +309,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 shards=self._prompt_shards,
                 autocast=self._autocast,
                 offload_boundaries=self.args.offload_boundary_states,
+                checkpoint_reverse=self.args.reverse_checkpointing,
                 attention_reuse=self.args.reverse_attention_reuse,
             )
             engine.hold_budget = self._hold_budget
