@@ -106,8 +106,8 @@ def test_configs_disagree_only_where_named():
     assert (exact["prompt_gradient"], detached["prompt_gradient"]) == ("exact", "detached")
     # Exact mode keeps its boundaries in host memory; detached mode keeps none, and prefills in smaller chunks.
     assert exact["offload_boundary_states"] and (exact["prefill_chunk_size"], detached["prefill_chunk_size"]) == (
-        16384,
         8192,
+        4096,
     )
 
 
