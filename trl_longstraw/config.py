@@ -140,8 +140,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={
             "help": "Exact mode under gradient checkpointing: recompute each layer of a reverse-pass chunk during "
             "its backward (the least memory). False keeps the chunk's whole autograd graph instead: one forward less "
-            "per chunk (the tiny qwen3_5 step about 15% faster), with every layer's activations of one chunk live; "
-            "pair it with a smaller prefill_chunk_size. Identical gradients."
+            "per chunk (the tiny qwen3_5 step about 15 percent faster), with every layer's activations of one chunk "
+            "live; pair it with a smaller prefill_chunk_size. Identical gradients."
         },
     )
     offload_boundary_states: bool = field(
