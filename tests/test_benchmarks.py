@@ -292,7 +292,8 @@ def test_bench_limit_tiny_run(tmp_path):
         ("detached", "ragged"),
         ("stock_best", "ragged"),
     ]
-    assert all(r["status"] == "ok" and r["cpu_s"] > 0 and r["growth_bytes"] > 0 for r in raw["records"]), raw
+    # At P = 128 a step can fit in pages the process already touched: a growth of 0 bytes is a measurement too.
+    assert all(r["status"] == "ok" and r["cpu_s"] > 0 and r["growth_bytes"] >= 0 for r in raw["records"]), raw
     text = (tmp_path / "LIMIT.md").read_text()
     assert "| stock_best |" in text and "exact time / limit time:" in text and "not measured" not in text
     assert "the run took" in text and "python benchmarks/bench_limit.py --family llama" in text
