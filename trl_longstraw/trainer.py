@@ -32,6 +32,7 @@ from trl.trainer.utils import RepeatSampler, split_tensor_dict
 
 from . import expert_parallel, guards
 from .adapters import get_adapter
+from .batch import tokenize_distinct
 from .config import LongStrawGRPOConfig
 from .distributed import fsdp2_offloads, fsdp2_root
 from .engine import Engine, group_prompts
@@ -390,6 +391,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 del batch[OLD_LOGPS_PENDING]
 
     # ------------------------------------------------------------------------------------------------ generation
+    def _tokenize_prompts(self, prompts: list):
+        """Stock's, run once per run of equal consecutive prompts: the G rows of a prompt share its ids
+        (`batch.tokenize_distinct`). With environments each row renders its own tools: stock's, row by row."""
+        if self.environment_factories is not None:
+            return super()._tokenize_prompts(prompts)
+        return tokenize_distinct(super()._tokenize_prompts, prompts)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Shared-prompt generation on the transformers path (see `generation.py`); stock otherwise."""
         if not self._shared_generation or images is not None or multimodal_fields:
