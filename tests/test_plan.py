@@ -387,15 +387,11 @@ def test_shard_groups_smaller_than_the_gpus(preset_stats):
     assert "across the 8 ranks" in grouped["branch graph"].detail
 
 
-def test_cli_refuses_a_group_that_does_not_divide_the_gpus():
-    result = subprocess.run(
-        [sys.executable, "-m", "trl_longstraw.plan", "--model", "glm-5.2", "--positions", "1000", "--gpus", "32"]
-        + ["--shard-prompt-state", "--prompt-shard-group-size", "6"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 2 and "must divide --gpus (32)" in result.stderr
+def test_cli_refuses_a_group_that_does_not_divide_the_gpus(capsys):
+    argv = ["--model", "glm-5.2", "--positions", "1000", "--gpus", "32", "--shard-prompt-state"]
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(argv + ["--prompt-shard-group-size", "6"])
+    assert exit_info.value.code == 2 and "must divide --gpus (32)" in capsys.readouterr().err
 
 
 def test_largest_positions_is_zero_when_nothing_fits(preset_stats):
@@ -499,35 +495,29 @@ def test_main_in_process(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_exit_codes():
-    """`python -m trl_longstraw.plan` exits 0 when the plan fits and 3 when it does not (README examples)."""
-    common = [sys.executable, "-m", "trl_longstraw.plan", "--model", "qwen3.6-27b", "--positions", "2.1M"]
-    common += ["--gpus", "8", "--gpu-memory", "96GB"]
-    fits = subprocess.run(
-        common + ["--mode", "detached", "--shard-prompt-state"], cwd=REPO, capture_output=True, text=True
-    )
-    assert fits.returncode == 0, fits.stderr
-    assert "verdict: FITS" in fits.stdout and "yarn factor 9" in fits.stdout
-    too_big = subprocess.run(common + ["--mode", "exact"], cwd=REPO, capture_output=True, text=True)
+def test_cli_exit_codes(capsys):
+    """`python -m trl_longstraw.plan` exits 0 when the plan fits and 3 when it does not (README examples). The
+    command itself runs once (its exit status is `main`'s return value), the other case through `main`."""
+    common = ["--model", "qwen3.6-27b", "--positions", "2.1M", "--gpus", "8", "--gpu-memory", "96GB"]
+    assert plan.main(common + ["--mode", "detached", "--shard-prompt-state"]) == 0
+    fits = capsys.readouterr().out
+    assert "verdict: FITS" in fits and "yarn factor 9" in fits
+    command = [sys.executable, "-m", "trl_longstraw.plan", *common, "--mode", "exact"]
+    too_big = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     assert too_big.returncode == 3, too_big.stderr
     assert "verdict: DOES NOT FIT" in too_big.stdout and "prompt_gradient='detached'" in too_big.stdout
 
 
 # ------------------------------------------------------------------------------------------- CLI errors, refusals
-def test_cli_unsupported_model_is_a_one_line_error(tmp_path):
+def test_cli_unsupported_model_is_a_one_line_error(tmp_path, capsys):
     """A GPT-2 config.json: exit 2 and one line on stderr naming the supported model types, no traceback."""
     from transformers import GPT2Config
 
     GPT2Config().save_pretrained(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "-m", "trl_longstraw.plan", "--model", str(tmp_path), "--positions", "100K"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert "model_type 'gpt2' is not supported" in result.stderr and "qwen3_5" in result.stderr
+    assert plan.main(["--model", str(tmp_path), "--positions", "100K"]) == 2
+    result = capsys.readouterr()
+    assert result.out == "" and result.err.count("\n") == 1 and "Traceback" not in result.err
+    assert "model_type 'gpt2' is not supported" in result.err and "qwen3_5" in result.err
 
 
 def test_cli_presets_are_case_insensitive_and_unknown_ones_are_errors(capsys):
