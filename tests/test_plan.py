@@ -153,6 +153,32 @@ def test_planned_decode_tail_equals_the_decoder_tail(tiny_model_path):
     assert _item(budget, "decode tail") == allocated > 0
 
 
+def test_sharded_decode_tail_and_batch_count_this_gpus_rows(preset_stats):
+    """With a sharded prompt state a GPU decodes and holds only its share of a prompt's G rows (GLM-5.2's recipe: 32
+    completions over 32 GPUs, one each): the decode tail is that share's, not G rows' (2.91 GiB at 1,024 tokens), and
+    TRL's batch (prompt and completion ids and masks, int64) is that share's [rows, P + C], held through the step,
+    with its copies (concatenations, the shuffle) in the phase of the activations."""
+    _, stats = preset_stats["glm-5.2"]
+    setup = Setup(positions=2_100_000, completion_length=1024, group_size=32, gpus=32, shard_prompt_state=True)
+    sharded = {i.name: i for i in estimate(stats, setup).items}
+    assert sharded["decode tail"].nbytes == 1024 * stats.state_per_token == 93 * 2**20
+    assert (
+        sharded["decode tail"].detail.startswith("1 row x") and "32 rows over 32 GPUs" in sharded["decode tail"].detail
+    )
+    unsharded = {i.name: i for i in estimate(stats, replace(setup, shard_prompt_state=False)).items}
+    assert unsharded["decode tail"].nbytes == 32 * 1024 * stats.state_per_token
+    grouped = {i.name: i for i in estimate(stats, replace(setup, shard_group=8)).items}
+    assert grouped["decode tail"].nbytes == 4 * 1024 * stats.state_per_token
+    batch = 2 * (2_100_000 + 1024) * 8
+    assert sharded["batch ids"].nbytes == batch and sharded["batch ids"].phase is None
+    assert sharded["batch copies"].nbytes == batch and sharded["batch copies"].phase == "activations"
+    assert unsharded["batch ids"].nbytes == 32 * batch
+    # Qwen3.6 at 2.1M, 8 rows on one GPU: 134 MB per [8, P] int64 tensor.
+    _, qwen = preset_stats["qwen3.6-27b"]
+    one = {i.name: i for i in estimate(qwen, Setup(positions=2_100_000, completion_length=512)).items}
+    assert one["batch ids"].nbytes == 2 * 8 * (2_100_000 + 512) * 8
+
+
 def test_unsupported_model_type_lists_supported():
     from transformers import GPT2Config
 

@@ -771,8 +771,8 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     fixed part of the state once per chunk boundary, as the reverse pass restarts from each; with a sharded prompt
     state, this GPU's share of the boundaries, the final one and one broadcast copy), and then one of: a branch
     graph (a completion replayed with autograd), one chunk's activations (the exact-mode reverse pass, or the no-grad
-    prefill), or generation's decode tail (the G rows' decoded tokens against the prompt state): those never
-    coexist.
+    prefill), generation's decode tail (this GPU's rows' decoded tokens against the prompt state), or TRL's copies of
+    the batch (concatenations, shuffle): those never coexist. The batch itself (ids and masks) is held throughout.
     """
     s, u = stats, setup
     exact = u.mode == "exact"
@@ -1022,15 +1022,35 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
                 phase="activations",
             )
         )
-    # Generation decodes the G rows against the prompt state (held for the loss pass): each row's records of its
-    # decoded tokens and its own copy of the fixed recurrent state, on this GPU whatever the sharding.
+    # Generation decodes this GPU's rows against the prompt state (held for the loss pass): each row's records of its
+    # decoded tokens and its own copy of the fixed recurrent state. With a sharded state a prompt's G rows are spread
+    # over its shard group (`sharding.shard_group_size` makes G a multiple of the group's rows), so a GPU decodes at
+    # most G / group of them; the decoded tokens' records stay on the rank that decodes them.
+    rows = share(u.group_size, state_parts)
     items.append(
         Item(
             "decode tail",
-            u.group_size * (u.completion_length * s.state_per_token + s.state_fixed),
-            f"{u.group_size} rows x ({u.completion_length:,} tokens x {_size(s.state_per_token)}"
+            rows * (u.completion_length * s.state_per_token + s.state_fixed),
+            f"{rows} row{'s' if rows > 1 else ''} x ({u.completion_length:,} tokens x {_size(s.state_per_token)}"
             + (f" + {_size(s.state_fixed)} fixed" if s.state_fixed else "")
-            + ") (generation)",
+            + ")"
+            + (f" (generation; {u.group_size} rows over {state_parts} GPUs)" if state_parts > 1 else " (generation)"),
+            phase="activations",
+        )
+    )
+    # TRL's batch of these rows: the left-padded prompt ids and mask and the completion ids and mask, int64, from
+    # generation to the end of the loss pass. TRL also concatenates prompt and completion (ids and mask) when it
+    # assembles the batch after generation and when it computes the loss, and shuffles the batch into a copy:
+    # transients of the same size, while no chunk or branch is in flight.
+    width = u.positions + u.completion_length
+    batch = 2 * rows * width * 8
+    items.append(Item("batch ids", batch, f"prompt + completion ids and masks [{rows}, {width:,}], int64"))
+    items.append(
+        Item(
+            "batch copies",
+            batch,
+            f"TRL's prompt + completion concatenations (ids and mask [{rows}, {width:,}], int64), or the shuffled "
+            "batch",
             phase="activations",
         )
     )
