@@ -182,9 +182,9 @@ def main(model_path: str, out_path: str) -> None:
             generation_config=trainer.generation_config,
         )
 
-    # Where the trainer falls back to transformers' generate under FSDP2 (shard groups smaller than the world),
-    # generate must run every rank in lockstep (synced_gpus): it does for any module fully_shard manages, so for
-    # accelerate's FSDP2 of a PEFT model too (generate runs on the causal LM inside the PEFT wrappers).
+    # With shared_generation=False under FSDP2, transformers' generate must run every rank in lockstep (synced_gpus):
+    # it does for any module fully_shard manages, so for accelerate's FSDP2 of a PEFT model too (generate runs on the
+    # causal LM inside the PEFT wrappers).
     from peft import LoraConfig, get_peft_model
 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)

@@ -313,6 +313,19 @@ def test_trainer_checks_before_loading(tiny_model_path):
         )
 
 
+def test_trainer_refuses_shard_groups_smaller_than_the_world(tiny_model_path, monkeypatch):
+    """Expert parallelism with shard groups smaller than the world is refused at construction (untested: the experts'
+    all-to-alls across the groups' padded passes), before anything is loaded, naming both fixes. The launch's 4
+    processes are what the arguments report."""
+    args = _args(prompt_shard_group_size=2)
+    monkeypatch.setattr(LongStrawGRPOConfig, "world_size", property(lambda self: 4))
+    match = "shard groups of 2 of the 4 processes.*prompt_shard_group_size=0.*shard_prompt_state=False"
+    with pytest.raises(ValueError, match=match):
+        LongStrawGRPOTrainer(
+            str(tiny_model_path("glm_moe_dsa")), _reward, args, train_dataset=Dataset.from_dict({"prompt": ["a"]})
+        )
+
+
 @pytest.mark.parametrize("kind", [DistributedType.FSDP, DistributedType.DEEPSPEED])
 def test_accelerate_sharding_refused(kind):
     """transformers shards an expert-parallel model as it loads it: an accelerate config that would shard it again is

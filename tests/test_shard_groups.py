@@ -4,7 +4,9 @@ One `torchrun` launch of `tests/group_worker.py` runs every model (see its docst
 results against a single-process run of the same global batches in this process, for a tiny dense model (llama), a
 tiny qwen3_5 (Gated DeltaNet + gated attention) and a tiny glm_moe_dsa (MLA + DSA + MoE). The groups hold different
 prompts, chunks and completions: the engine pads each group's passes to the world's agreed counts (fillers that do
-not touch the sharded attention), so FSDP2, whose collectives span the world, gathers and frees layer by layer.
+not touch the sharded attention), so FSDP2, whose collectives span the world, gathers and frees layer by layer. The
+same launch generates on the FSDP2 model in the world lockstep of generation (`generation.generate_shared`) and checks
+the completions against transformers' `generate`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 import torch
 from datasets import Dataset
 from dist_worker import trainer_config
-from group_worker import GROUP_SIZE, WORLD, make_group_batches
+from group_worker import GEN_MAX_NEW_TOKENS, GEN_ROWS, GROUP_SIZE, WORLD, make_group_batches
 from tolerances import SHARDED_GRAD_RTOL
 from transformers import AutoConfig
 
@@ -164,3 +166,26 @@ def test_collectives_meet(launch, family, scenario):
         assert "all_to_all_single" in {name for name, _ in group[0]}
     # The groups run different prompts, so their own collectives differ.
     assert per_rank[0][scenario] != per_rank[GROUP_SIZE][scenario]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_generation_in_world_lockstep(launch, family):
+    """Shared-prompt generation with 2 shard groups of 2 under FSDP2 over 4 processes: greedy completions equal
+    transformers' `generate` on each rank's rows, which the groups decode from different prompts (group 0 two of 13
+    and 7 tokens, left-padded; group 1 one of 22; chunks of 5) with rows ending at different steps: rank 0's after 1
+    token while rank 1 steps on in their branch rounds, group 0's within 3 while group 1's run to the maximum (group 0
+    runs filler steps), and group 1 has no second prompt (filler prefills and steps). Parameters stay DTensors, and
+    every rank issues the same FSDP2 collectives."""
+    per_rank = _results(launch)[family]["generation"]
+    assert len(per_rank) == WORLD
+    for rank, result in enumerate(per_rank):
+        assert result["got"] == result["expected"], f"rank {rank}: completions differ from generate's"
+        assert result["dtensors"], f"rank {rank}: parameters left unsharded"
+        assert len(result["got"]) == len(GEN_ROWS[rank])
+    lengths = [[len(c) for c in result["got"]] for result in per_rank]
+    # The schedule the docstring describes (EOS tokens chosen by the worker's `rank_eos`).
+    assert lengths[0] == [1, 1, 1]
+    assert max(lengths[1]) <= 3 and len(set(lengths[1])) > 1
+    assert max(lengths[2]) <= 5 and lengths[3] == [GEN_MAX_NEW_TOKENS] * 3
+    world_level = [[c for c in result["collectives"] if c[0] in FSDP2_COLLECTIVES] for result in per_rank]
+    assert world_level[0] and all(log == world_level[0] for log in world_level)

@@ -92,10 +92,10 @@ class LongStrawGRPOConfig(GRPOConfig):
             transformers' own loop, as `GRPOTrainer` does. The vLLM paths are unchanged either way. With
             `shard_prompt_state`, the ranks of a shard group decode in lockstep against the sharded state. Under FSDP2
             (accelerate's, or transformers' under `expert_parallel_size > 1`), where every forward issues collectives,
-            all ranks decode in one lockstep: with one shard group of every process, or without a sharded state
-            (the ranks agree on prefill passes and steps and run filler forwards where they have less to do); with
-            smaller shard groups generation falls back to `generate`, with a warning. Generation settings it does not
-            reproduce raise `ValueError` (see `generation.py`).
+            all ranks decode in one lockstep: with one shard group of every process, its ranks step together;
+            without a sharded state or with smaller shard groups, the ranks (groups) agree on prefill passes and
+            steps and run filler forwards where they have less to do. Generation settings it does not reproduce raise
+            `ValueError` (see `generation.py`).
     """
 
     prompt_gradient: str = field(
