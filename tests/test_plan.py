@@ -372,6 +372,24 @@ def test_attention_reuse_switch_is_counted(preset_stats):
     assert estimate(stats, detached).to_allocate == estimate(stats, without).to_allocate
 
 
+def test_prefill_attention_reuse_is_counted(preset_stats):
+    """`prefill_attention_reuse=True` (`--prefill-attention-reuse`): the prefill keeps, for every prompt token, 16
+    full-attention layers x 24 heads x (256 bf16 + one fp32 log-sum-exp) until the reverse pass; counted as its own
+    item, suggested off when the run does not fit, and nothing in detached mode or with a sharded state (which the
+    config refuses with it)."""
+    _, stats = preset_stats["qwen3.6-27b"]
+    setup = Setup(positions=200_000, gpus=8, prefill_chunk_size=4096)
+    on = replace(setup, prefill_attention_reuse=True)
+    kept = _item(estimate(stats, on), "prefill attention outputs")
+    assert kept == plan.state_tokens(200_000) * 16 * 24 * (256 * 2 + 4)
+    assert estimate(stats, on).to_allocate - estimate(stats, setup).to_allocate == kept
+    assert all(item.name != "prefill attention outputs" for item in estimate(stats, setup).items)
+    assert largest_positions(stats, on) < largest_positions(stats, setup)
+    assert any("prefill_attention_reuse=False" in line for line in plan.suggestions(estimate(stats, on)))
+    for changes in (dict(mode="detached"), dict(shard_prompt_state=True)):
+        assert estimate(stats, replace(on, **changes)).items == estimate(stats, replace(setup, **changes)).items
+
+
 def test_layer_by_layer_gather_without_sharded_state(preset_stats):
     """Without a sharded prompt state the ranks agree on equal pass counts (the data-parallel lockstep), so FSDP2
     gathers layer by layer, as with the state sharded over all GPUs: the root module and two layers, not GLM-5.2's

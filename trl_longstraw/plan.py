@@ -665,6 +665,9 @@ class Setup:
             (`LongStrawGRPOConfig.offload_boundary_states`).
         attention_reuse: exact mode under gradient checkpointing: the reverse pass keeps each attention layer's
             output for the recompute (`LongStrawGRPOConfig.reverse_attention_reuse`).
+        prefill_attention_reuse: exact mode, unsharded: the prefill keeps each attention layer's output and
+            log-sum-exp for every prompt token until the reverse pass's forward takes them
+            (`LongStrawGRPOConfig.prefill_attention_reuse`). Nothing in detached mode or with a sharded state.
         gpus_per_node: processes per node, for the host memory of a node.
         host_memory: host bytes per node for the offloaded items; None: not checked (the CLI's default is
             `default_host_memory`).
@@ -694,6 +697,7 @@ class Setup:
     offload: bool = False
     offload_boundary_states: bool = False
     attention_reuse: bool = True
+    prefill_attention_reuse: bool = False
     gpus_per_node: int = 8
     host_memory: int | None = None
     device: str = "cuda"
@@ -901,6 +905,18 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         elif state_parts > 1:
             detail += ", replicated"
     items.append(Item("prompt state", per_token + copies * s.state_fixed, detail))
+    # The config refuses the switch in detached mode and with a sharded state (a suggestion may lead there).
+    if exact and u.prefill_attention_reuse and not u.shard_prompt_state:
+        outputs, lses = s.kept_attention
+        per = outputs * u.compute_bytes + lses * 4
+        items.append(
+            Item(
+                "prefill attention outputs",
+                tokens * per,
+                f"{tokens:,} tokens x {_size(per)} (prefill_attention_reuse: each attention layer's output and "
+                "log-sum-exp, until the reverse pass takes them)",
+            )
+        )
     if offloaded:
         held = share(chunks - 1, state_parts)
         host.append(
@@ -1136,6 +1152,8 @@ def suggestions(budget: Budget, free_bytes: int | None = None) -> list[str]:
         and any(s.kept_attention)
     ):
         changes["reverse_attention_reuse=False (slower reverse pass)"] = {"attention_reuse": False}
+    if u.prefill_attention_reuse and any(s.kept_attention):
+        changes["prefill_attention_reuse=False (slower reverse pass)"] = {"prefill_attention_reuse": False}
     if not u.offload and u.fsdp and u.gpus > 1:
         changes["FSDP2 CPU offload of the weights, gradients and optimizer state"] = {"offload": True}
     if s.num_experts and not u.expert_parallel and u.gpus > 1 and s.num_experts % u.gpus == 0:
@@ -1347,6 +1365,7 @@ def recipe_defaults(recipe: Recipe) -> dict:
         "lora_rank": m.lora_r if m.use_peft else None,
         "offload_boundary_states": t.offload_boundary_states,
         "no_attention_reuse": not getattr(t, "reverse_attention_reuse", True),
+        "prefill_attention_reuse": bool(getattr(t, "prefill_attention_reuse", False)),
         "no_reverse_checkpointing": not getattr(t, "reverse_checkpointing", True),
         # Expert parallelism and FSDP2's CPU offload, where the config has them (`expert_parallel_size`,
         # `fsdp_cpu_offload`); accelerate's own `fsdp_offload_params` lives in the accelerate config: pass --offload.
@@ -1578,6 +1597,12 @@ def _parser() -> argparse.ArgumentParser:
         "attention outputs (reverse_attention_reuse=False): less memory, slower",
     )
     p.add_argument(
+        "--prefill-attention-reuse",
+        action="store_true",
+        help="exact mode, unsharded: the prefill keeps each attention layer's output for the reverse pass, which "
+        "does not attend again in its forward (prefill_attention_reuse=True): faster, more memory",
+    )
+    p.add_argument(
         "--no-reverse-checkpointing",
         action="store_true",
         help="exact mode: the reverse pass keeps each chunk's whole graph instead of recomputing its layers "
@@ -1654,6 +1679,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         offload=args.offload or args.cpu_offload,
         offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
         attention_reuse=not args.no_attention_reuse,
+        prefill_attention_reuse=args.prefill_attention_reuse,
         reverse_checkpointing=not args.no_reverse_checkpointing,
         gpus_per_node=args.gpus_per_node,
         host_memory=host_memory,
