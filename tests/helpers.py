@@ -147,20 +147,26 @@ class Launch:
         try:
             self.code = self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            # torchrun starts each worker in a session of its own: SIGTERM makes it end them before it exits.
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            self._end()
         self.output = (self.tmp / "output.log").read_text()  # the cases' CPU and wall seconds among it
+
+    def _end(self) -> None:
+        # torchrun starts each worker in a session of its own: SIGTERM makes it end them before it exits.
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
     def __enter__(self) -> Launch:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.wait()
+        """Ends a launch whose results no test asked for (all deselected, the session interrupted) instead of waiting
+        for it; leaves no worker behind."""
+        if self.proc.poll() is None:
+            self._end()
 
     def result(self, case: str):
         """What rank 0 wrote for `case`, once the launch has run to its end cleanly: no rank hung (all finished
@@ -184,6 +190,6 @@ def torchrun(what: str, cases: dict[str, tuple[str, list]], tmp: Path, nproc: in
     worker `"module:function"` runs that function instead; modules of tests/); the path of the case's results file is
     appended to its arguments. Process start and the import of torch, transformers and TRL are paid once for all the
     cases. `timeout` (seconds from the start) bounds the whole launch. Use the launch as a context manager (a fixture
-    yields it inside `with`), so that it is waited for even if no test asks for its results.
+    yields it inside `with`), so that it is ended if no test asks for its results.
     """
     return Launch(what, cases, tmp, nproc, timeout)
