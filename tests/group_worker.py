@@ -21,6 +21,8 @@ EOS tokens, taken from a free-running `generate` of its rows, so that rank 0's r
 2 or 3, rank 2's within 5 and rank 3's rows run to the maximum of 8: rank 0 steps on in its group's branch
 rounds, group 0 runs filler steps while group 1 decodes, and group 1 filler prefills and steps through group 0's
 second prompt. The reference is transformers' `generate` on the unsharded model with the same rows and EOS tokens.
+The ranks generate once more offering the prompt states to an exact-mode loss pass, as in training (prefilled with
+chunk boundaries after each prompt's left padding).
 
 Rank 0 writes the full (gathered) parameter gradients and every rank's records to `OUT`.
 """
@@ -136,16 +138,28 @@ def generate_in_lockstep(trainer, fsdp, log: list) -> dict:
     free = reference([pad])
     eos = rank_eos(free, rank, pad)
     expected = reference(eos)
+    assert trainer._shared_generation, "the trainer generates with transformers' generate"
     engine = trainer._engine(fsdp)
     assert engine.lockstep and engine.shards is not None and engine.shards.world < dist.get_world_size()
     start = len(log)
     with torch.no_grad():
         got = generate_shared(fsdp, engine, ids, config(eos), pad, eos, None, torch.device("cpu"))
     collectives = log[start:]
+    # Again as in training, offering each prompt's state to an exact-mode loss pass: prefilled with chunk boundaries
+    # at the positions the loss pass gives it (after its left padding), which the ranks of a group agree on.
+    offers: list[tuple[int, int]] = []
+    offer = engine.offer
+    engine.offer = lambda group, state: (offers.append((group.pad, len(group.tokens))), offer(group, state))
+    with torch.no_grad():
+        offered = generate_shared(fsdp, engine, ids, config(eos), pad, eos, None, torch.device("cpu"), True)
+    engine.offer = offer
+    engine.release()
     mine = {
         "got": got,
         "expected": expected,
         "free": free,
+        "offered": offered,
+        "offers": offers,
         "dtensors": all(isinstance(p, DTensor) for p in fsdp.parameters()),
         "collectives": collectives,
     }

@@ -151,13 +151,17 @@ def test_generation_in_world_lockstep(launch, family):
     and 7 tokens, left-padded; group 1 one of 22; chunks of 5) with rows ending at different steps: rank 0's after 1
     token while rank 1 steps on in their branch rounds, group 0's within 3 while group 1's run to the maximum (group 0
     runs filler steps), and group 1 has no second prompt (filler prefills and steps). Parameters stay DTensors, and
-    every rank issues the same FSDP2 collectives."""
+    every rank issues the same FSDP2 collectives. Offering the states to an exact-mode loss pass as in training
+    (prefilled with chunk boundaries after each prompt's left padding in the batch) gives the same completions."""
     per_rank = launch[0].result(family)["generation"]
     assert len(per_rank) == WORLD
     for rank, result in enumerate(per_rank):
         assert result["got"] == result["expected"], f"rank {rank}: completions differ from generate's"
         assert result["dtensors"], f"rank {rank}: parameters left unsharded"
         assert len(result["got"]) == len(GEN_ROWS[rank])
+        assert result["offered"] == result["expected"], f"rank {rank}: completions with offers differ"
+    # (left padding, length) of each offered prompt: group 0 pads its 7-token prompt to the 13 of the other.
+    assert [result["offers"] for result in per_rank] == [[(6, 7), (0, 13)]] * 2 + [[(0, 22)]] * 2
     lengths = [[len(c) for c in result["got"]] for result in per_rank]
     # The schedule the docstring describes (EOS tokens chosen by the worker's `rank_eos`).
     assert lengths[0] == [1, 1, 1]
