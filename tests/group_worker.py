@@ -1,9 +1,9 @@
 """Worker of tests/test_shard_groups.py: one rank of a 4-process CPU (gloo) run with the prompt state sharded over
 shard groups of 2 ranks (ranks 0-1 and 2-3) and the model under FSDP2 over all 4.
 
-Launched by the test with `torchrun --nproc_per_node 4 tests/group_worker.py BATCHES OUT MODEL_PATH...`. `BATCHES` is a
-`torch.save`d dict of global micro-batches (each row tagged with the rank that runs it, see `make_group_batches`). For
-each model, the worker applies `fully_shard` to every decoder layer and the root and runs, through
+Launched by the test through `tests.helpers.torchrun` (4 processes), one case per model: `main(MODEL_PATH, BATCHES,
+OUT)`. `BATCHES` is a `torch.save`d dict of global micro-batches (each row tagged with the rank that runs it, see
+`make_group_batches`). The worker applies `fully_shard` to every decoder layer and the root and runs, through
 `trainer.training_step`:
 
 - `exact`: exact mode with non-reentrant gradient checkpointing, `G` under `set_requires_gradient_sync(False)`
@@ -13,14 +13,23 @@ each model, the worker applies `fully_shard` to every decoder layer and the root
 The two groups hold different prompts, numbers of prompts, chunks and completions, so they run different numbers of
 passes; the engine pads each group's passes to the world's agreed counts, and FSDP2 gathers and frees the layers pass
 by pass. Each rank records its collectives (`dist_worker.count_collectives`) and, whenever FSDP2 gathers, how many
-decoder layers are gathered (`dist_worker.probe_gathers`). Rank 0 writes the full (gathered) parameter gradients and
-every rank's records to `OUT`, by model path.
+decoder layers are gathered (`dist_worker.probe_gathers`).
+
+Then each rank generates greedily on the FSDP2 model with the trainer's engine (`generate_in_lockstep`): group 0
+holds two prompts of 13 and 7 tokens (left-padded to 13), group 1 one of 22, in chunks of 5; each rank stops on other
+EOS tokens, taken from a free-running `generate` of its rows, so that rank 0's rows end after 1 token, rank 1's after
+2 or 3, rank 2's within 5 and rank 3's rows run to the maximum of 8: rank 0 steps on in its group's branch
+rounds, group 0 runs filler steps while group 1 decodes, and group 1 filler prefills and steps through group 0's
+second prompt. The reference is transformers' `generate` on the unsharded model with the same rows and EOS tokens.
+The ranks generate once more offering the prompt states to an exact-mode loss pass, as in training (prefilled with
+chunk boundaries after each prompt's left padding).
+
+Rank 0 writes the full (gathered) parameter gradients and every rank's records to `OUT`.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
@@ -65,7 +74,101 @@ def make_group_batches(vocab_size: int) -> dict[str, dict]:
     return batches
 
 
-def main(batches_path: str, out_path: str, *model_paths: str) -> None:
+# Generation: prompts (lengths), the rows of each rank (prompt indices) and the maximum of new tokens. The ranks of a
+# group hold the same prompts; group 0's two are left-padded to the longer one.
+GEN_PROMPTS = [13, 7, 22]
+GEN_ROWS = {0: [0, 1, 0], 1: [1, 0, 1], 2: [2, 2, 2], 3: [2, 2, 2]}
+GEN_MAX_NEW_TOKENS = 8
+
+
+def generation_prompts(vocab_size: int) -> list[list[int]]:
+    """`GEN_PROMPTS` of random ids, without the tokenizer's special tokens (pad 0, eos 1, unk 2)."""
+    g = torch.Generator().manual_seed(60)
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in GEN_PROMPTS]
+
+
+def rank_eos(free: list[list[int]], rank: int, pad: int) -> list[int]:
+    """This rank's EOS tokens, from the free-running completions `free` of its rows: rank 0 each row's first token (its
+    rows end after 1 token), rank 1 its first row's second and its second row's third (its rows end within 2 and 3
+    tokens), rank 2 its first row's fifth (within 5); rank 3 none but the pad token, which is never drawn (its rows
+    run to the maximum)."""
+    if rank == 0:
+        return sorted({row[0] for row in free})
+    if rank == 1:
+        return sorted({free[0][1], free[1][2]})
+    if rank == 2:
+        return [free[0][4]]
+    return [pad]
+
+
+def generate_in_lockstep(trainer, fsdp, log: list) -> dict:
+    """Greedy completions of this rank's `GEN_ROWS` from the FSDP2 model `fsdp` with the trainer's engine (shard
+    groups of 2, in the world lockstep) and from transformers' `generate` on the unsharded `trainer.model`; every
+    rank's results, the FSDP2 collectives of the decoding and whether the parameters stayed DTensors."""
+    from torch.distributed.tensor import DTensor
+    from transformers import GenerationConfig
+
+    from trl_longstraw.generation import generate_shared, trim_after_eos
+
+    rank = dist.get_rank()
+    pad = trainer._tokenizer.pad_token_id
+    prompts = generation_prompts(trainer.model.config.get_text_config().vocab_size)
+    ids = [prompts[i] for i in GEN_ROWS[rank]]
+    width = max(len(x) for x in ids)
+    padded = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+
+    def config(eos: list[int]) -> GenerationConfig:
+        # The pad token is never drawn: its zero embedding gives glm_moe_dsa indexer keys that tie at the top-k
+        # cut-off, where stock's order is unspecified (see glm_moe_dsa.py).
+        return GenerationConfig(
+            max_new_tokens=GEN_MAX_NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=eos,
+            suppress_tokens=[pad],
+            disable_compile=True,
+        )
+
+    def reference(eos: list[int]) -> list[list[int]]:
+        with torch.no_grad():
+            out = trainer.model.generate(input_ids=padded, attention_mask=mask, generation_config=config(eos))
+        return trim_after_eos(out[:, width:], eos)
+
+    free = reference([pad])
+    eos = rank_eos(free, rank, pad)
+    expected = reference(eos)
+    assert trainer._shared_generation, "the trainer generates with transformers' generate"
+    engine = trainer._engine(fsdp)
+    assert engine.lockstep and engine.shards is not None and engine.shards.world < dist.get_world_size()
+    start = len(log)
+    with torch.no_grad():
+        got = generate_shared(fsdp, engine, ids, config(eos), pad, eos, None, torch.device("cpu"))
+    collectives = log[start:]
+    # Again as in training, offering each prompt's state to an exact-mode loss pass: prefilled with chunk boundaries
+    # at the positions the loss pass gives it (after its left padding), which the ranks of a group agree on.
+    offers: list[tuple[int, int]] = []
+    offer = engine.offer
+    engine.offer = lambda group, state: (offers.append((group.pad, len(group.tokens))), offer(group, state))
+    with torch.no_grad():
+        offered = generate_shared(fsdp, engine, ids, config(eos), pad, eos, None, torch.device("cpu"), True)
+    engine.offer = offer
+    engine.release()
+    mine = {
+        "got": got,
+        "expected": expected,
+        "free": free,
+        "offered": offered,
+        "offers": offers,
+        "dtensors": all(isinstance(p, DTensor) for p in fsdp.parameters()),
+        "collectives": collectives,
+    }
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def main(model_path: str, batches_path: str, out_path: str) -> None:
     os.environ.setdefault("ACCELERATE_USE_CPU", "1")
     from accelerate import PartialState
     from datasets import Dataset
@@ -85,69 +188,60 @@ def main(batches_path: str, out_path: str, *model_paths: str) -> None:
     log: list = []
     count_collectives(log)
     mesh = init_device_mesh("cpu", (world,))
-    results: dict = {}
-    for model_path in model_paths:
-        config = trainer_config(
-            tempfile.mkdtemp(), num_generations=8, shard_prompt_state=True, prompt_shard_group_size=GROUP_SIZE
-        )
-        trainer = LongStrawGRPOTrainer(
-            model_path,
-            lambda completions, **kw: [0.0] * len(completions),
-            config,
-            Dataset.from_dict({"prompt": ["a"] * 8}),
-        )
-        assert trainer.accelerator.num_processes == WORLD
-        shards = trainer._prompt_shards
-        assert shards is not None and shards.world == GROUP_SIZE
-        assert dist.get_process_group_ranks(shards.group) == [r for r in range(world) if r // 2 == rank // 2]
-        trainer._prepare_inputs = lambda x: x
-        trainer.current_gradient_accumulation_steps = 1
-        # FSDP2 applied directly: on CPU, accelerate would silently turn an FSDP config into DDP.
-        fsdp = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        add_fused_lm_head(fsdp, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
-        for layer in fsdp.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(fsdp, mesh=mesh)
-        assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
-        # Each model's probe wraps FSDP2's gathers again; the earlier models' probes see their own (idle) layers.
-        gathered, most_gathered = probe_gathers(fsdp)
-        per_family: dict = {"grads": {}, "collectives": {}, "gathered": {}}
-        for name, mode, micro_batches in [("exact", "exact", "GH"), ("detached", "detached", "G")]:
-            start = len(log)
-            fsdp.zero_grad(set_to_none=True)
-            gathered.clear()
-            if mode == "exact":  # as the recipes run FSDP2: recomputed layers are gathered again by FSDP2
-                fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            trainer.args.prompt_gradient = mode
-            for i, key in enumerate(micro_batches):
-                fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
-                batch = batches[key]
-                trainer.training_step(fsdp, rows_of(batch, rank), batch["num_items_in_batch"])
-            fsdp.gradient_checkpointing_disable()
-            assert trainer._engine(fsdp).lockstep, "the engine does not pad the groups' passes"
-            assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
-            grads = {}
-            for pname, p in fsdp.named_parameters():
-                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                grads[pname] = None if g is None else g.detach().clone()
-            per_family["grads"][name] = grads
-            per_family["collectives"][name] = log[start:]
-            per_family["gathered"][name] = most_gathered()
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, (per_family["collectives"], per_family["gathered"]))
-        results[model_path] = {
-            "grads": per_family["grads"],
-            "collectives": [e[0] for e in everyone],
-            "gathered": [e[1] for e in everyone],
-            "layers": len(fsdp.model.layers),
-        }
+    config = trainer_config(
+        tempfile.mkdtemp(), num_generations=8, shard_prompt_state=True, prompt_shard_group_size=GROUP_SIZE
+    )
+    trainer = LongStrawGRPOTrainer(
+        model_path,
+        lambda completions, **kw: [0.0] * len(completions),
+        config,
+        Dataset.from_dict({"prompt": ["a"] * 8}),
+    )
+    assert trainer.accelerator.num_processes == WORLD
+    shards = trainer._prompt_shards
+    assert shards is not None and shards.world == GROUP_SIZE
+    assert dist.get_process_group_ranks(shards.group) == [r for r in range(world) if r // 2 == rank // 2]
+    trainer._prepare_inputs = lambda x: x
+    trainer.current_gradient_accumulation_steps = 1
+    # FSDP2 applied directly: on CPU, accelerate would silently turn an FSDP config into DDP.
+    fsdp = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    add_fused_lm_head(fsdp, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+    for layer in fsdp.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
+    gathered, most_gathered = probe_gathers(fsdp)
+    per_family: dict = {"grads": {}, "collectives": {}, "gathered": {}}
+    for name, mode, micro_batches in [("exact", "exact", "GH"), ("detached", "detached", "G")]:
+        start = len(log)
+        fsdp.zero_grad(set_to_none=True)
+        gathered.clear()
+        if mode == "exact":  # as the recipes run FSDP2: recomputed layers are gathered again by FSDP2
+            fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        trainer.args.prompt_gradient = mode
+        for i, key in enumerate(micro_batches):
+            fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            batch = batches[key]
+            trainer.training_step(fsdp, rows_of(batch, rank), batch["num_items_in_batch"])
+        fsdp.gradient_checkpointing_disable()
+        assert trainer._engine(fsdp).lockstep, "the engine does not pad the groups' passes"
+        assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
+        grads = {}
+        for pname, p in fsdp.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grads[pname] = None if g is None else g.detach().clone()
+        per_family["grads"][name] = grads
+        per_family["collectives"][name] = log[start:]
+        per_family["gathered"][name] = most_gathered()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (per_family["collectives"], per_family["gathered"]))
+    results = {
+        "grads": per_family["grads"],
+        "collectives": [e[0] for e in everyone],
+        "gathered": [e[1] for e in everyone],
+        "layers": len(fsdp.model.layers),
+        "generation": generate_in_lockstep(trainer, fsdp, log),
+    }
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.torchrun_main import run
-
-    run(main, sys.argv[1:])

@@ -16,13 +16,18 @@ Several processes decode in *lockstep* where a forward issues collectives that n
 all-gathers and, under expert parallelism (`expert_parallel`), the experts' all-to-alls inside every MoE layer. With
 the prompt state sharded over all processes the ranks of the shard group decode the same prompts in one agreed order,
 every step a branch round of their rows, until every rank's rows are done (their prompt attention merges across the
-ranks anyway). Without a sharded state (data parallelism: different prompts per rank, the engine's *data-parallel
-lockstep*), the ranks agree on the number of prompt slots and each slot's prefill chunks (two max all-reduces: the
-most distinct prompts of any rank, then `distributed.agree_pass_counts`, as the loss pass does), pad theirs with
-one-token filler prefills, and after each decoding step agree (one small all-reduce) whether any rank still decodes;
-a rank whose rows are done, or that has no prompt in the slot, runs one-token filler steps (`_filler_step`) whose
-outputs are discarded until then. Either way every rank runs the same number of forwards in the same order, so the
-collectives meet.
+ranks anyway). Otherwise under FSDP2 (the engine's *world lockstep*: no sharded state, i.e. data parallelism with
+different prompts per rank, or shard groups smaller than the world, each group with its own prompts) every rank of the
+world must run the same forwards. The ranks (the ranks of a shard group alike, as they hold the same prompts) agree on
+the number of prompt slots and each slot's prefill passes (two max all-reduces over the world: the most distinct
+prompts of any rank, then `distributed.agree_pass_counts`, as the loss pass does) and pad theirs with one-token filler
+prefills. After each decoding step one all-reduce over the world (`_agree_unfinished`: a flag per rank) tells each rank
+whether a row of its shard group (without a sharded state: its own) and whether a row of any rank still decodes. A
+group whose rows are all done while another group's are not, or with no prompt in the slot, runs one-token filler steps
+(`_filler_step`, against no prompt state: no sharded attention, so no collective of the group) whose outputs are
+discarded until no rank decodes; the ranks of a group whose rows are not all done keep stepping in its branch rounds
+(finished rows append padding, as stock does after EOS). Either way every rank runs the same number of forwards in
+the same order, so the collectives meet.
 """
 
 from __future__ import annotations
@@ -181,16 +186,15 @@ def shared_prompt_decoder(
             forward numbers padded rows from 0), and the steps decode at the positions that follow: under RoPE the
             attention scores depend only on differences of positions, so the decoded distribution is `generate`'s up
             to float rounding.
-        prefill_passes: in the engine's data-parallel lockstep (`engine.lockstep`), the prefill passes every rank
-            runs for this prompt's slot (agreed by `generate_shared`; this rank pads its own with fillers), and the
-            ranks then decode in lockstep (see the module docstring). Default: this prompt's own chunks.
+        prefill_passes: in the engine's world lockstep (`engine.lockstep`), the prefill passes every rank runs for
+            this prompt's slot (agreed by `generate_shared`; this rank pads its own with fillers), and the ranks then
+            decode in lockstep (see the module docstring). Default: this prompt's own passes.
     """
     longest = longest or prompt.shape[0]
     shards = engine.shards
     if shards is not None and rows_per_rank is None:
         raise ValueError("decoding against a sharded prompt state needs rows_per_rank")
-    # The data-parallel lockstep (no sharded state); shard groups smaller than the world do not decode in lockstep.
-    lockstep = engine.lockstep and engine.shards is None and dist.is_initialized() and dist.get_world_size() > 1
+    lockstep = _world_lockstep(engine)
 
     def decode(
         model,
@@ -205,10 +209,9 @@ def shared_prompt_decoder(
         """Mirrors `GenerationMixin._sample` (no streamer, no dict output). `input_ids` `[G, P]` -> `[G, P + T]`."""
         if synced_gpus and not in_lockstep(engine):
             raise ValueError(
-                "shared-prompt generation runs in lockstep across processes (as FSDP generation needs, synced_gpus) "
-                "with the prompt state sharded over every process or not sharded at all, not over shard groups "
-                "smaller than the world: set prompt_shard_group_size=0, or shared_generation=False in "
-                "LongStrawGRPOConfig."
+                "shared-prompt generation runs every process in lockstep (as synced_gpus asks) only under FSDP2 or "
+                "with the prompt state sharded over every process: shard the model with FSDP2 (fsdp_version: 2), or "
+                "set shared_generation=False in LongStrawGRPOConfig."
             )
         if streamer is not None:
             raise ValueError("shared-prompt generation does not stream: remove the streamer.")
@@ -228,8 +231,8 @@ def shared_prompt_decoder(
         group = PromptGroup(tokens=prompt, pad=offset, rows=list(range(rows)))
         with engine.rope.pinned(longest):
             state = engine.prefill(group, boundaries=boundaries)
-        if lockstep:
-            _filler_prefills((prefill_passes or 0) - state.num_chunks, engine, input_ids.device)
+        if lockstep:  # the passes this prefill ran: chunks, or context-parallel rounds
+            _filler_prefills((prefill_passes or 0) - engine._num_passes(group), engine, input_ids.device)
         if offer:
             engine.offer(group, state)
         tail = engine.adapter.decode_tail(generation_config.max_length - width)
@@ -269,9 +272,10 @@ def shared_prompt_decoder(
                 buffer[:, ids.shape[1]] = next_tokens
                 ids = buffer[:, : ids.shape[1] + 1]
                 unfinished = unfinished & ~stopping_criteria(ids, None)
-                if not _any_unfinished(unfinished, shards, lockstep):
+                in_group, anywhere = _agree_unfinished(unfinished, shards, lockstep)
+                if not anywhere:
                     return ids
-                if lockstep and not unfinished.any():  # this rank's rows are done, another rank's are not
+                if not in_group:  # world lockstep: this group's rows are done, another rank's are not
                     _filler_steps(engine, buffer.device)
                     return ids
                 step_ids = next_tokens
@@ -280,34 +284,44 @@ def shared_prompt_decoder(
     return decode
 
 
-def _any_unfinished(unfinished: torch.Tensor, shards, lockstep: bool = False) -> bool:
-    """Whether a row of `unfinished` `[G]` is still going; with `shards`, a row of any rank of the shard group; in
-    the data-parallel `lockstep`, a row of any rank of the world."""
-    flag = (
-        unfinished.max().reshape(1)
-        if unfinished.numel()
-        else torch.zeros(1, dtype=torch.long, device=unfinished.device)
-    )
+def _world_lockstep(engine: Engine) -> bool:
+    """Whether `engine`'s generation runs in the world lockstep (FSDP2 without a state sharded over every process:
+    see the module docstring)."""
+    return engine.lockstep and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree_unfinished(unfinished: torch.Tensor, shards, lockstep: bool = False) -> tuple[bool, bool]:
+    """Whether a row of `unfinished` `[G]` is still going: `(in this rank's shard group, anywhere)`.
+
+    Without `shards`, the group is this rank alone. In the world `lockstep`, one all-reduce (max) over the world of a
+    flag per rank answers both, the same call on every rank whether it decodes or runs fillers; otherwise, with
+    `shards`, one over the shard group (whose ranks are then the only ones that must agree).
+    """
+    mine = int(bool(unfinished.any())) if unfinished.numel() else 0
+    if lockstep:
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.long, device=unfinished.device)
+        flags[dist.get_rank()] = mine
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        ranks = [dist.get_rank()] if shards is None else dist.get_process_group_ranks(shards.group)
+        return bool(flags[ranks].any()), bool(flags.any())
     if shards is not None:
+        flag = torch.tensor([mine], dtype=torch.long, device=unfinished.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shards.group)
-    elif lockstep:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+        mine = int(flag.item())
+    return bool(mine), bool(mine)
 
 
 def in_lockstep(engine: Engine) -> bool:
     """Whether `engine`'s ranks can decode in lockstep: one process, the prompt state sharded over every process,
-    or the engine's data-parallel lockstep (FSDP2 without a sharded state)."""
+    or the engine's world lockstep (FSDP2, with shard groups smaller than the world or without a sharded state)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return True
-    if engine.shards is None:
-        return engine.lockstep
-    return engine.shards.world == dist.get_world_size()
+    return engine.lockstep or (engine.shards is not None and engine.shards.world == dist.get_world_size())
 
 
 def _filler_prefills(n: int, engine: Engine, device) -> None:
-    """`n` one-token filler prefill passes (`Engine._filler`): the data-parallel lockstep's padding of a prompt slot
-    in which another rank prefills more chunks."""
+    """`n` one-token filler prefill passes (`Engine._filler`): the world lockstep's padding of a prompt slot in which
+    another rank (shard group) prefills more passes."""
     for _ in range(n):
         engine._filler(PREFILL, device)
 
@@ -326,12 +340,13 @@ def _filler_step(engine: Engine, device) -> None:
 
 
 def _filler_steps(engine: Engine, device) -> None:
-    """Data-parallel lockstep, on a rank with no row left to decode: one filler step per decoding step of the other
-    ranks, each followed by the step's agreement, until no rank decodes."""
+    """World lockstep, on a rank whose shard group (or itself, without a sharded state) has no row left to decode:
+    one filler step per decoding step of the other ranks, each followed by the step's agreement, until no rank
+    decodes."""
     done = torch.zeros(0, dtype=torch.long, device=device)
     while True:
         _filler_step(engine, device)
-        if not _any_unfinished(done, None, lockstep=True):
+        if not _agree_unfinished(done, None, lockstep=True)[1]:
             return
 
 
@@ -371,8 +386,8 @@ def generate_shared(
     the whole batch, so the logits processors (repetition penalty, minimum length) and the maximum length see the
     same `input_ids` as in stock; only the decoding loop is `shared_prompt_decoder`'s. With a sharded prompt state
     (`engine.shards`), the ranks of the shard group decode the prompts in one agreed order, in lockstep; in the
-    engine's data-parallel lockstep, every rank runs the agreed slots, with fillers where it has less to do (see the
-    module docstring).
+    engine's world lockstep (FSDP2, without a sharded state or with shard groups smaller than the world), every rank
+    runs the agreed slots, with fillers where it (its group) has less to do (see the module docstring).
 
     Args:
         model: the model `generate` is called on (unwrapped, PEFT adapters active).
@@ -398,37 +413,41 @@ def generate_shared(
     items: list[tuple[tuple[int, ...], list[int]] | None] = list(groups.items())
     rows_per_rank: list[list[int] | None] = [None] * len(items)
     prefill_passes: list[int | None] = [None] * len(items)
-    # The data-parallel lockstep (no sharded state); shard groups smaller than the world do not decode in lockstep.
-    lockstep = engine.lockstep and engine.shards is None and dist.is_initialized() and dist.get_world_size() > 1
+    lockstep = _world_lockstep(engine)
     if engine.shards is not None:
         # The ranks of a shard group hold the same prompts (other rows of them) and decode them in one agreed order.
         keyed = [PromptGroup(tokens=torch.tensor(tokens), pad=0, rows=rows) for tokens, rows in items]
         order, plan = engine.shards.agree(keyed, [[len(rows)] for _, rows in items])
         items = [items[i] for i in order]
         rows_per_rank = [[counts[0] for counts in ranks] for ranks in plan]
-    elif lockstep:
-        # Data-parallel lockstep: the ranks hold different prompts. Fewest chunks first, so that the ranks' long
-        # prompts share slots; every rank then runs each slot's agreed prefill passes, and empty slots (no prompt of
-        # its own: `None`) up to the most prompts of any rank.
-        chunks = {tokens: engine._num_passes(PromptGroup(torch.tensor(tokens), 0, [])) for tokens in groups}
-        items.sort(key=lambda item: chunks[item[0]])
+    if lockstep:
+        # World lockstep: the ranks (shard groups) hold different prompts. Fewest passes first (stable: the ranks of a
+        # shard group keep one order), so that the ranks' long prompts share slots; every rank then runs each slot's
+        # agreed prefill passes, and empty slots (no prompt of its own: `None`) up to the most prompts of any rank.
+        num_passes = {tokens: engine._num_passes(PromptGroup(torch.tensor(tokens), 0, [])) for tokens in groups}
+        ranked = sorted(range(len(items)), key=lambda i: num_passes[items[i][0]])
+        items, rows_per_rank = [items[i] for i in ranked], [rows_per_rank[i] for i in ranked]
         # The agreement's table needs the same size on every rank; TRL gives every process the same rows except in
         # multi-turn tool calls, which generate again for the rows that called a tool.
         slots = torch.tensor([len(items)], device=device)
         dist.all_reduce(slots, op=dist.ReduceOp.MAX)
-        agreed = agree_pass_counts([(chunks[tokens], 0, 0) for tokens, _ in items], int(slots.item()), device)
+        # Every slot decodes (the branch column), so that no slot counts as empty, one-token prompts' included.
+        agreed = agree_pass_counts([(num_passes[tokens], 1, 0) for tokens, _ in items], int(slots.item()), device)
         items += [None] * (len(agreed) - len(items))
-        rows_per_rank = [None] * len(items)
+        rows_per_rank += [None] * (len(agreed) - len(rows_per_rank))
         prefill_passes = [counts[PREFILL] for counts in agreed]
     # Left padding of each prompt in the batch, where the loss pass places it (offers only).
     offsets: list[int | None] = [None] * len(items)
     if offer_boundaries is not None:
         offsets = [None if item is None else width - len(item[0]) for item in items]
-        if engine.shards is not None and offsets:  # no fillers here: `agree` gave every rank the same prompts
+        real = [o for o in offsets if o is not None]  # the prompts first, then the world lockstep's empty slots
+        if engine.shards is not None and real:  # `agree` gave every rank of the group the same prompts and slots
             # The ranks prefill a prompt together, so they place it alike: they offer it only where their loss
             # passes will look it up under the same padding.
-            lowest, highest = engine.shards.extremes(offsets, device)
-            offsets = [o if low == high else None for o, low, high in zip(offsets, lowest, highest, strict=True)]
+            lowest, highest = engine.shards.extremes(real, device)
+            offsets[: len(real)] = [
+                o if low == high else None for o, low, high in zip(real, lowest, highest, strict=True)
+            ]
     config = generation_config_for_decoder(generation_config)
     completions: list[list[int]] = [[] for _ in prompt_ids]
     # Per-call RoPE: each prompt decodes from the state stock's one `generate` starts from, and the state left
@@ -437,7 +456,7 @@ def generate_shared(
     start = final = engine.rope.snapshot()
     most_steps = -1
     for item, counts, passes, offset in zip(items, rows_per_rank, prefill_passes, offsets, strict=True):
-        if item is None:  # data-parallel lockstep: another rank decodes a prompt in this slot
+        if item is None:  # world lockstep: another rank (group) decodes a prompt in this slot
             with fsdp2_gathered(engine.model):
                 _filler_prefills(passes, engine, device)
                 _filler_steps(engine, device)

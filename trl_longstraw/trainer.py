@@ -32,6 +32,7 @@ from trl.trainer.utils import RepeatSampler, split_tensor_dict
 
 from . import expert_parallel, guards
 from .adapters import get_adapter
+from .batch import tokenize_distinct
 from .config import LongStrawGRPOConfig
 from .distributed import fsdp2_offloads, fsdp2_root
 from .engine import Engine, group_prompts
@@ -159,8 +160,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             get_adapter(_causal_lm(self.ref_model))
 
     def _choose_generation(self) -> None:
-        """Shared-prompt generation (`generation.py`) where it applies, else transformers' `generate` with a warning
-        saying why. Needs the prompt shards (`_make_prompt_shards`)."""
+        """Shared-prompt generation (`generation.py`) where the adapter decodes (against a sharded state, if
+        `shard_prompt_state`), else transformers' `generate` with a warning saying why. Under FSDP2 every process
+        decodes in lockstep, whatever the shard groups (see `generation`)."""
         self._shared_generation = False
         if not self.args.shared_generation or self.use_vllm or self.use_transformers_continuous_batching:
             return
@@ -176,29 +178,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 f"model_type {model_type!r} does not decode against a sharded prompt state yet: with "
                 "shard_prompt_state=True, generation runs through transformers' generate."
             )
-        elif not self._generation_in_lockstep():
-            # Shard groups smaller than the world pad their loss passes to the world's (`Engine.lockstep`), but
-            # shared-prompt decoding has no such padding across groups yet; transformers' generate runs every process
-            # in lockstep under FSDP (synced_gpus).
-            logger.warning(
-                "under FSDP2 with shard groups smaller than the world (prompt_shard_group_size), the ranks cannot "
-                "decode in one lockstep: generation runs through transformers' generate (synced_gpus). Set "
-                "prompt_shard_group_size=0 (one group of all processes) or shard_prompt_state=False for shared-prompt "
-                "generation."
-            )
         else:
             check_generation_config(self.generation_config)
             self._shared_generation = True
-
-    def _generation_in_lockstep(self) -> bool:
-        """Whether the processes can decode as FSDP2 needs: every forward on every rank (one process; no FSDP2, whose
-        forwards issue no collective; the prompt state sharded over every process; or not sharded, in the engine's
-        data-parallel lockstep). FSDP2 is accelerate's, or transformers' under expert parallelism."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return True
-        if not (self.is_fsdp_enabled or fsdp2_root(self.model) is not None):
-            return True
-        return self._prompt_shards is None or self._prompt_shards.world == dist.get_world_size()
 
     def _check_dataset(self) -> None:
         """The training dataset's prompt column, and its longest prompts against the model's RoPE window.
@@ -311,6 +293,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 offload_boundaries=self.args.offload_boundary_states,
                 checkpoint_reverse=self.args.reverse_checkpointing,
                 attention_reuse=self.args.reverse_attention_reuse,
+                prefill_attention=self.args.prefill_attention_reuse,
             )
             engine.hold_budget = self._hold_budget
             self._engines[id(causal_lm)] = engine
@@ -409,6 +392,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 del batch[OLD_LOGPS_PENDING]
 
     # ------------------------------------------------------------------------------------------------ generation
+    def _tokenize_prompts(self, prompts: list):
+        """Stock's, run once per run of equal consecutive prompts: the G rows of a prompt share its ids
+        (`batch.tokenize_distinct`). With environments each row renders its own tools: stock's, row by row."""
+        if self.environment_factories is not None:
+            return super()._tokenize_prompts(prompts)
+        return tokenize_distinct(super()._tokenize_prompts, prompts)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Shared-prompt generation on the transformers path (see `generation.py`); stock otherwise."""
         if not self._shared_generation or images is not None or multimodal_fields:

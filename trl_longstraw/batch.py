@@ -1,0 +1,41 @@
+"""The generation batch's prompts, tokenized once per prompt instead of once per row.
+
+TRL's dataloader hands `_generate_and_score_completions` each prompt `num_generations` times in a row (its
+`RepeatSampler`), and stock `GRPOTrainer._tokenize_prompts` tokenizes every row: G token lists per prompt, each a
+Python list of P ints, alive from tokenization to the end of the batch's assembly, so through generation (the prefill,
+the decoding and TRL's padding of the batch, while the prompt state is held for the loss pass). At a million tokens
+with a real vocabulary (ids above 256 are one int object each) that is tens of MB of host memory per row, and G
+tokenizer runs. `tokenize_distinct` runs the tokenizer once per run of equal consecutive prompts and gives the rows of
+a run the same list. The tokenizer maps each prompt on its own (no padding, no truncation, no batch-dependent state),
+so every row's ids are stock's; TRL only reads the lists (`len`, concatenation into new lists, `torch.tensor`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Tokenized = tuple[list[list[int]], Any, dict[str, Any]]
+
+
+def tokenize_distinct(tokenize: Callable[[list], Tokenized], prompts: list) -> Tokenized:
+    """`tokenize(prompts)`, with the tokenizer run once per run of equal consecutive prompts.
+
+    Args:
+        tokenize: stock's `GRPOTrainer._tokenize_prompts` (bound): prompts -> `(prompt_ids, images,
+            multimodal_fields)`, one list of ids per prompt.
+        prompts: the generation batch's prompts (strings or conversations), one per row.
+    Returns:
+        What `tokenize(prompts)` returns. The rows of one run share one list of ids. Where the distinct prompts carry
+        images or other per-row fields, the result of `tokenize(prompts)` itself (stock's call on every row).
+    """
+    starts = [i for i, prompt in enumerate(prompts) if i == 0 or prompt != prompts[i - 1]]
+    if len(starts) == len(prompts):
+        return tokenize(prompts)
+    ids, images, fields = tokenize([prompts[i] for i in starts])
+    if images is not None or fields:
+        # Per-row images or fields (a multimodal processor): kept as stock builds them, row by row.
+        return tokenize(prompts)
+    ends = starts[1:] + [len(prompts)]
+    rows = [row for row_ids, start, end in zip(ids, starts, ends, strict=True) for row in [row_ids] * (end - start)]
+    return rows, images, fields
