@@ -153,6 +153,32 @@ def test_planned_decode_tail_equals_the_decoder_tail(tiny_model_path):
     assert _item(budget, "decode tail") == allocated > 0
 
 
+def test_sharded_decode_tail_and_batch_count_this_gpus_rows(preset_stats):
+    """With a sharded prompt state a GPU decodes and holds only its share of a prompt's G rows (GLM-5.2's recipe: 32
+    completions over 32 GPUs, one each): the decode tail is that share's, not G rows' (2.91 GiB at 1,024 tokens), and
+    TRL's batch (prompt and completion ids and masks, int64) is that share's [rows, P + C], held through the step,
+    with its copies (concatenations, the shuffle) in the phase of the activations."""
+    _, stats = preset_stats["glm-5.2"]
+    setup = Setup(positions=2_100_000, completion_length=1024, group_size=32, gpus=32, shard_prompt_state=True)
+    sharded = {i.name: i for i in estimate(stats, setup).items}
+    assert sharded["decode tail"].nbytes == 1024 * stats.state_per_token == 93 * 2**20
+    assert (
+        sharded["decode tail"].detail.startswith("1 row x") and "32 rows over 32 GPUs" in sharded["decode tail"].detail
+    )
+    unsharded = {i.name: i for i in estimate(stats, replace(setup, shard_prompt_state=False)).items}
+    assert unsharded["decode tail"].nbytes == 32 * 1024 * stats.state_per_token
+    grouped = {i.name: i for i in estimate(stats, replace(setup, shard_group=8)).items}
+    assert grouped["decode tail"].nbytes == 4 * 1024 * stats.state_per_token
+    batch = 2 * (2_100_000 + 1024) * 8
+    assert sharded["batch ids"].nbytes == batch and sharded["batch ids"].phase is None
+    assert sharded["batch copies"].nbytes == batch and sharded["batch copies"].phase == "activations"
+    assert unsharded["batch ids"].nbytes == 32 * batch
+    # Qwen3.6 at 2.1M, 8 rows on one GPU: 134 MB per [8, P] int64 tensor.
+    _, qwen = preset_stats["qwen3.6-27b"]
+    one = {i.name: i for i in estimate(qwen, Setup(positions=2_100_000, completion_length=512)).items}
+    assert one["batch ids"].nbytes == 2 * 8 * (2_100_000 + 512) * 8
+
+
 def test_unsupported_model_type_lists_supported():
     from transformers import GPT2Config
 
@@ -350,6 +376,24 @@ def test_attention_reuse_switch_is_counted(preset_stats):
     assert estimate(stats, detached).to_allocate == estimate(stats, without).to_allocate
 
 
+def test_prefill_attention_reuse_is_counted(preset_stats):
+    """`prefill_attention_reuse=True` (`--prefill-attention-reuse`): the prefill keeps, for every prompt token, 16
+    full-attention layers x 24 heads x (256 bf16 + one fp32 log-sum-exp) until the reverse pass; counted as its own
+    item, suggested off when the run does not fit, and nothing in detached mode or with a sharded state (which the
+    config refuses with it)."""
+    _, stats = preset_stats["qwen3.6-27b"]
+    setup = Setup(positions=200_000, gpus=8, prefill_chunk_size=4096)
+    on = replace(setup, prefill_attention_reuse=True)
+    kept = _item(estimate(stats, on), "prefill attention outputs")
+    assert kept == plan.state_tokens(200_000) * 16 * 24 * (256 * 2 + 4)
+    assert estimate(stats, on).to_allocate - estimate(stats, setup).to_allocate == kept
+    assert all(item.name != "prefill attention outputs" for item in estimate(stats, setup).items)
+    assert largest_positions(stats, on) < largest_positions(stats, setup)
+    assert any("prefill_attention_reuse=False" in line for line in plan.suggestions(estimate(stats, on)))
+    for changes in (dict(mode="detached"), dict(shard_prompt_state=True)):
+        assert estimate(stats, replace(on, **changes)).items == estimate(stats, replace(setup, **changes)).items
+
+
 def test_layer_by_layer_gather_without_sharded_state(preset_stats):
     """Without a sharded prompt state the ranks agree on equal pass counts (the data-parallel lockstep), so FSDP2
     gathers layer by layer, as with the state sharded over all GPUs: the root module and two layers, not GLM-5.2's
@@ -391,15 +435,11 @@ def test_shard_groups_smaller_than_the_gpus(preset_stats):
     assert "across the 8 ranks" in grouped["branch graph"].detail
 
 
-def test_cli_refuses_a_group_that_does_not_divide_the_gpus():
-    result = subprocess.run(
-        [sys.executable, "-m", "trl_longstraw.plan", "--model", "glm-5.2", "--positions", "1000", "--gpus", "32"]
-        + ["--shard-prompt-state", "--prompt-shard-group-size", "6"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 2 and "must divide --gpus (32)" in result.stderr
+def test_cli_refuses_a_group_that_does_not_divide_the_gpus(capsys):
+    argv = ["--model", "glm-5.2", "--positions", "1000", "--gpus", "32", "--shard-prompt-state"]
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(argv + ["--prompt-shard-group-size", "6"])
+    assert exit_info.value.code == 2 and "must divide --gpus (32)" in capsys.readouterr().err
 
 
 def test_largest_positions_is_zero_when_nothing_fits(preset_stats):
@@ -503,35 +543,29 @@ def test_main_in_process(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_exit_codes():
-    """`python -m trl_longstraw.plan` exits 0 when the plan fits and 3 when it does not (README examples)."""
-    common = [sys.executable, "-m", "trl_longstraw.plan", "--model", "qwen3.6-27b", "--positions", "2.1M"]
-    common += ["--gpus", "8", "--gpu-memory", "96GB"]
-    fits = subprocess.run(
-        common + ["--mode", "detached", "--shard-prompt-state"], cwd=REPO, capture_output=True, text=True
-    )
-    assert fits.returncode == 0, fits.stderr
-    assert "verdict: FITS" in fits.stdout and "yarn factor 9" in fits.stdout
-    too_big = subprocess.run(common + ["--mode", "exact"], cwd=REPO, capture_output=True, text=True)
+def test_cli_exit_codes(capsys):
+    """`python -m trl_longstraw.plan` exits 0 when the plan fits and 3 when it does not (README examples). The
+    command itself runs once (its exit status is `main`'s return value), the other case through `main`."""
+    common = ["--model", "qwen3.6-27b", "--positions", "2.1M", "--gpus", "8", "--gpu-memory", "96GB"]
+    assert plan.main(common + ["--mode", "detached", "--shard-prompt-state"]) == 0
+    fits = capsys.readouterr().out
+    assert "verdict: FITS" in fits and "yarn factor 9" in fits
+    command = [sys.executable, "-m", "trl_longstraw.plan", *common, "--mode", "exact"]
+    too_big = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     assert too_big.returncode == 3, too_big.stderr
     assert "verdict: DOES NOT FIT" in too_big.stdout and "prompt_gradient='detached'" in too_big.stdout
 
 
 # ------------------------------------------------------------------------------------------- CLI errors, refusals
-def test_cli_unsupported_model_is_a_one_line_error(tmp_path):
+def test_cli_unsupported_model_is_a_one_line_error(tmp_path, capsys):
     """A GPT-2 config.json: exit 2 and one line on stderr naming the supported model types, no traceback."""
     from transformers import GPT2Config
 
     GPT2Config().save_pretrained(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "-m", "trl_longstraw.plan", "--model", str(tmp_path), "--positions", "100K"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert "model_type 'gpt2' is not supported" in result.stderr and "qwen3_5" in result.stderr
+    assert plan.main(["--model", str(tmp_path), "--positions", "100K"]) == 2
+    result = capsys.readouterr()
+    assert result.out == "" and result.err.count("\n") == 1 and "Traceback" not in result.err
+    assert "model_type 'gpt2' is not supported" in result.err and "qwen3_5" in result.err
 
 
 def test_cli_presets_are_case_insensitive_and_unknown_ones_are_errors(capsys):

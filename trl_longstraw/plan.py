@@ -678,6 +678,9 @@ class Setup:
             (`LongStrawGRPOConfig.offload_boundary_states`).
         attention_reuse: exact mode under gradient checkpointing: the reverse pass keeps each attention layer's
             output for the recompute (`LongStrawGRPOConfig.reverse_attention_reuse`).
+        prefill_attention_reuse: exact mode, unsharded: the prefill keeps each attention layer's output and
+            log-sum-exp for every prompt token until the reverse pass's forward takes them
+            (`LongStrawGRPOConfig.prefill_attention_reuse`). Nothing in detached mode or with a sharded state.
         gpus_per_node: processes per node, for the host memory of a node.
         host_memory: host bytes per node for the offloaded items; None: not checked (the CLI's default is
             `default_host_memory`).
@@ -707,6 +710,7 @@ class Setup:
     offload: bool = False
     offload_boundary_states: bool = False
     attention_reuse: bool = True
+    prefill_attention_reuse: bool = False
     gpus_per_node: int = 8
     host_memory: int | None = None
     device: str = "cuda"
@@ -784,8 +788,8 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     fixed part of the state once per chunk boundary, as the reverse pass restarts from each; with a sharded prompt
     state, this GPU's share of the boundaries, the final one and one broadcast copy), and then one of: a branch
     graph (a completion replayed with autograd), one chunk's activations (the exact-mode reverse pass, or the no-grad
-    prefill), or generation's decode tail (the G rows' decoded tokens against the prompt state): those never
-    coexist.
+    prefill), generation's decode tail (this GPU's rows' decoded tokens against the prompt state), or TRL's copies of
+    the batch (concatenations, shuffle): those never coexist. The batch itself (ids and masks) is held throughout.
     """
     s, u = stats, setup
     exact = u.mode == "exact"
@@ -914,6 +918,18 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         elif state_parts > 1:
             detail += ", replicated"
     items.append(Item("prompt state", per_token + copies * s.state_fixed, detail))
+    # The config refuses the switch in detached mode and with a sharded state (a suggestion may lead there).
+    if exact and u.prefill_attention_reuse and not u.shard_prompt_state:
+        outputs, lses = s.kept_attention
+        per = outputs * u.compute_bytes + lses * 4
+        items.append(
+            Item(
+                "prefill attention outputs",
+                tokens * per,
+                f"{tokens:,} tokens x {_size(per)} (prefill_attention_reuse: each attention layer's output and "
+                "log-sum-exp, until the reverse pass takes them)",
+            )
+        )
     if offloaded:
         held = share(chunks - 1, state_parts)
         host.append(
@@ -1035,15 +1051,35 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
                 phase="activations",
             )
         )
-    # Generation decodes the G rows against the prompt state (held for the loss pass): each row's records of its
-    # decoded tokens and its own copy of the fixed recurrent state, on this GPU whatever the sharding.
+    # Generation decodes this GPU's rows against the prompt state (held for the loss pass): each row's records of its
+    # decoded tokens and its own copy of the fixed recurrent state. With a sharded state a prompt's G rows are spread
+    # over its shard group (`sharding.shard_group_size` makes G a multiple of the group's rows), so a GPU decodes at
+    # most G / group of them; the decoded tokens' records stay on the rank that decodes them.
+    rows = share(u.group_size, state_parts)
     items.append(
         Item(
             "decode tail",
-            u.group_size * (u.completion_length * s.state_per_token + s.state_fixed),
-            f"{u.group_size} rows x ({u.completion_length:,} tokens x {_size(s.state_per_token)}"
+            rows * (u.completion_length * s.state_per_token + s.state_fixed),
+            f"{rows} row{'s' if rows > 1 else ''} x ({u.completion_length:,} tokens x {_size(s.state_per_token)}"
             + (f" + {_size(s.state_fixed)} fixed" if s.state_fixed else "")
-            + ") (generation)",
+            + ")"
+            + (f" (generation; {u.group_size} rows over {state_parts} GPUs)" if state_parts > 1 else " (generation)"),
+            phase="activations",
+        )
+    )
+    # TRL's batch of these rows: the left-padded prompt ids and mask and the completion ids and mask, int64, from
+    # generation to the end of the loss pass. TRL also concatenates prompt and completion (ids and mask) when it
+    # assembles the batch after generation and when it computes the loss, and shuffles the batch into a copy:
+    # transients of the same size, while no chunk or branch is in flight.
+    width = u.positions + u.completion_length
+    batch = 2 * rows * width * 8
+    items.append(Item("batch ids", batch, f"prompt + completion ids and masks [{rows}, {width:,}], int64"))
+    items.append(
+        Item(
+            "batch copies",
+            batch,
+            f"TRL's prompt + completion concatenations (ids and mask [{rows}, {width:,}], int64), or the shuffled "
+            "batch",
             phase="activations",
         )
     )
@@ -1129,6 +1165,8 @@ def suggestions(budget: Budget, free_bytes: int | None = None) -> list[str]:
         and any(s.kept_attention)
     ):
         changes["reverse_attention_reuse=False (slower reverse pass)"] = {"attention_reuse": False}
+    if u.prefill_attention_reuse and any(s.kept_attention):
+        changes["prefill_attention_reuse=False (slower reverse pass)"] = {"prefill_attention_reuse": False}
     if not u.offload and u.fsdp and u.gpus > 1:
         changes["FSDP2 CPU offload of the weights, gradients and optimizer state"] = {"offload": True}
     if s.num_experts and not u.expert_parallel and u.gpus > 1 and s.num_experts % u.gpus == 0:
@@ -1340,6 +1378,7 @@ def recipe_defaults(recipe: Recipe) -> dict:
         "lora_rank": m.lora_r if m.use_peft else None,
         "offload_boundary_states": t.offload_boundary_states,
         "no_attention_reuse": not getattr(t, "reverse_attention_reuse", True),
+        "prefill_attention_reuse": bool(getattr(t, "prefill_attention_reuse", False)),
         "no_reverse_checkpointing": not getattr(t, "reverse_checkpointing", True),
         # Expert parallelism and FSDP2's CPU offload, where the config has them (`expert_parallel_size`,
         # `fsdp_cpu_offload`); accelerate's own `fsdp_offload_params` lives in the accelerate config: pass --offload.
@@ -1571,6 +1610,12 @@ def _parser() -> argparse.ArgumentParser:
         "attention outputs (reverse_attention_reuse=False): less memory, slower",
     )
     p.add_argument(
+        "--prefill-attention-reuse",
+        action="store_true",
+        help="exact mode, unsharded: the prefill keeps each attention layer's output for the reverse pass, which "
+        "does not attend again in its forward (prefill_attention_reuse=True): faster, more memory",
+    )
+    p.add_argument(
         "--no-reverse-checkpointing",
         action="store_true",
         help="exact mode: the reverse pass keeps each chunk's whole graph instead of recomputing its layers "
@@ -1647,6 +1692,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         offload=args.offload or args.cpu_offload,
         offload_boundary_states=args.mode == "exact" and (args.offload or args.offload_boundary_states),
         attention_reuse=not args.no_attention_reuse,
+        prefill_attention_reuse=args.prefill_attention_reuse,
         reverse_checkpointing=not args.no_reverse_checkpointing,
         gpus_per_node=args.gpus_per_node,
         host_memory=host_memory,
