@@ -742,8 +742,7 @@ def model_stats(
             if config.model_type == "glm_moe_dsa"
             else 0
         ),
-        kv_width=(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+        kv_width=key_value_width(config),
         layer_kinds=tuple(
             "linear_attention" if t == "linear_attention" else "attention"
             for t in (getattr(config, "layer_types", None) or ["full_attention"] * len(layers))
