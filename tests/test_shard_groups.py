@@ -6,7 +6,7 @@ tiny qwen3_5 (Gated DeltaNet + gated attention) and a tiny glm_moe_dsa (MLA + DS
 prompts, chunks and completions: the engine pads each group's passes to the world's agreed counts (fillers that do
 not touch the sharded attention), so FSDP2, whose collectives span the world, gathers and frees layer by layer. The
 same launch generates on the FSDP2 model in the world lockstep of generation (`generation.generate_shared`) and checks
-the completions against transformers' `generate`.
+the completions against transformers' `generate`, and runs glm_moe_dsa expert-parallel too (EP over all 4 processes).
 """
 
 from __future__ import annotations
@@ -121,18 +121,24 @@ def reference(models, launch, family):
 def test_gradients_match_single_process(launch, reference, family, scenario):
     """With 2 shard groups of 2 ranks under FSDP2 over 4 (gradient accumulation in exact mode), every parameter's
     gradient equals the single-process one of the same global batch; no rank hangs although the groups hold different
-    numbers of prompts, chunks and completions."""
-    got = _results(launch)[family]["grads"][scenario]
+    numbers of prompts, chunks and completions. glm_moe_dsa also loaded expert-parallel over all 4 processes
+    (transformers' EP, one expert per rank, never gathered; the EP group spans both shard groups)."""
+    results = _results(launch)[family]
+    runs = {"fsdp2": results["grads"][scenario]}
+    if family == "glm_moe_dsa":  # also loaded expert-parallel over all 4 processes (one expert per rank)
+        runs["expert_parallel"] = results["expert_parallel"]["grads"][scenario]
+        assert results["expert_parallel"]["experts"] == [[1]] * WORLD, "experts were gathered"
     expected = reference[scenario]
-    assert set(got) == set(expected)
     assert any(ref is not None for ref in expected.values())
-    for name, ref in expected.items():
-        if ref is None:  # no gradient at all (glm_moe_dsa's indexer, which runs without autograd as in stock)
-            assert got[name] is None or not got[name].any(), f"{scenario}: {name} got a gradient, stock has none"
-            continue
-        assert got[name] is not None, f"{scenario}: no gradient for {name}"
-        error = ((got[name] - ref).norm() / ref.norm()).item()
-        assert error <= SHARDED_GRAD_RTOL, f"{scenario}: {name} relative error {error:.2e}"
+    for run, got in runs.items():
+        assert set(got) == set(expected)
+        for name, ref in expected.items():
+            if ref is None:  # no gradient at all (glm_moe_dsa's indexer, which runs without autograd as in stock)
+                assert got[name] is None or not got[name].any(), f"{run} {scenario}: {name} got a gradient"
+                continue
+            assert got[name] is not None, f"{run} {scenario}: no gradient for {name}"
+            error = ((got[name] - ref).norm() / ref.norm()).item()
+            assert error <= SHARDED_GRAD_RTOL, f"{run} {scenario}: {name} relative error {error:.2e}"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
@@ -176,8 +182,15 @@ def test_generation_in_world_lockstep(launch, family):
     token while rank 1 steps on in their branch rounds, group 0's within 3 while group 1's run to the maximum (group 0
     runs filler steps), and group 1 has no second prompt (filler prefills and steps). Parameters stay DTensors, and
     every rank issues the same FSDP2 collectives. Offering the states to an exact-mode loss pass as in training
-    (prefilled with chunk boundaries after each prompt's left padding in the batch) gives the same completions."""
-    per_rank = _results(launch)[family]["generation"]
+    (prefilled with chunk boundaries after each prompt's left padding in the batch) gives the same completions. The
+    same holds for glm_moe_dsa loaded expert-parallel over all 4 processes (the experts' all-to-alls meet too)."""
+    results = _results(launch)[family]
+    _check_generation(results["generation"])
+    if family == "glm_moe_dsa":  # also loaded expert-parallel over all 4 processes (one expert per rank)
+        _check_generation(results["expert_parallel"]["generation"])
+
+
+def _check_generation(per_rank: list[dict]) -> None:
     assert len(per_rank) == WORLD
     for rank, result in enumerate(per_rank):
         assert result["got"] == result["expected"], f"rank {rank}: completions differ from generate's"
