@@ -1,9 +1,9 @@
 """Worker of tests/test_shard_groups.py: one rank of a 4-process CPU (gloo) run with the prompt state sharded over
 shard groups of 2 ranks (ranks 0-1 and 2-3) and the model under FSDP2 over all 4.
 
-Launched by the test with `torchrun --nproc_per_node 4 tests/group_worker.py BATCHES OUT MODEL_PATH...`. `BATCHES` is a
-`torch.save`d dict of global micro-batches (each row tagged with the rank that runs it, see `make_group_batches`). For
-each model, the worker applies `fully_shard` to every decoder layer and the root and runs, through
+Launched by the test through `tests.helpers.torchrun` (4 processes), one case per model: `main(MODEL_PATH, BATCHES,
+OUT)`. `BATCHES` is a `torch.save`d dict of global micro-batches (each row tagged with the rank that runs it, see
+`make_group_batches`). The worker applies `fully_shard` to every decoder layer and the root and runs, through
 `trainer.training_step`:
 
 - `exact`: exact mode with non-reentrant gradient checkpointing, `G` under `set_requires_gradient_sync(False)`
@@ -24,17 +24,16 @@ second prompt. The reference is transformers' `generate` on the unsharded model 
 The ranks generate once more offering the prompt states to an exact-mode loss pass, as in training (prefilled with
 chunk boundaries after each prompt's left padding).
 
-The MoE model (glm_moe_dsa) then runs again loaded expert-parallel by the trainer over all 4 processes (`EP_SIZE`:
-one expert per rank, the EP group spanning both shard groups; `expert_parallel_run`): the same gradient scenarios
-and generation.
+Rank 0 writes the full (gathered) parameter gradients and every rank's records to `OUT`.
 
-Rank 0 writes the full (gathered) parameter gradients and every rank's records to `OUT`, by model path.
+`expert_parallel` (a case of its own, `group_worker:expert_parallel`) runs the MoE model (glm_moe_dsa) loaded
+expert-parallel by the trainer over all 4 processes (`EP_SIZE`: one expert per rank, the EP group spanning both shard
+groups) with the same shard groups: the same gradient scenarios and generation.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
@@ -175,11 +174,6 @@ def generate_in_lockstep(trainer, fsdp, log: list, reference=None) -> list[dict]
     return everyone
 
 
-# Expert parallelism over all 4 processes (1 of the tiny glm_moe_dsa's 4 experts per rank): the EP group spans both
-# shard groups.
-EP_SIZE = 4
-
-
 def full_grads(model) -> dict[str, torch.Tensor | None]:
     """Every parameter's whole gradient, gathered from its DTensor."""
     from torch.distributed.tensor import DTensor
@@ -191,20 +185,107 @@ def full_grads(model) -> dict[str, torch.Tensor | None]:
     return grads
 
 
-def expert_parallel_run(model_path: str, batches: dict, log: list) -> dict:
-    """A MoE model loaded expert-parallel by the trainer (`expert_parallel_size=EP_SIZE`, FSDP2 by transformers) with
-    shard groups of 2: the gradients of the `exact` and `detached` scenarios, how many experts the expert modules held
-    in their forwards on each rank, and the generation of `generate_in_lockstep` (against `generate` on the model
-    loaded whole)."""
+def main(model_path: str, batches_path: str, out_path: str) -> None:
+    os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+    from accelerate import PartialState
     from datasets import Dataset
-    from dist_worker import rows_of, trainer_config
+    from dist_worker import count_collectives, probe_gathers, rows_of, trainer_config
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trl_longstraw import LongStrawGRPOTrainer
+
+    PartialState()  # the process group, as the trainers' accelerator sets it up
+    world, rank = dist.get_world_size(), dist.get_rank()
+    assert world == WORLD, f"the shard group tests need {WORLD} processes, got {world}"
+    batches = torch.load(batches_path)
+    log: list = []
+    count_collectives(log)
+    mesh = init_device_mesh("cpu", (world,))
+    config = trainer_config(
+        tempfile.mkdtemp(), num_generations=8, shard_prompt_state=True, prompt_shard_group_size=GROUP_SIZE
+    )
+    trainer = LongStrawGRPOTrainer(
+        model_path,
+        lambda completions, **kw: [0.0] * len(completions),
+        config,
+        Dataset.from_dict({"prompt": ["a"] * 8}),
+    )
+    assert trainer.accelerator.num_processes == WORLD
+    shards = trainer._prompt_shards
+    assert shards is not None and shards.world == GROUP_SIZE
+    assert dist.get_process_group_ranks(shards.group) == [r for r in range(world) if r // 2 == rank // 2]
+    trainer._prepare_inputs = lambda x: x
+    trainer.current_gradient_accumulation_steps = 1
+    # FSDP2 applied directly: on CPU, accelerate would silently turn an FSDP config into DDP.
+    fsdp = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    add_fused_lm_head(fsdp, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+    for layer in fsdp.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
+    gathered, most_gathered = probe_gathers(fsdp)
+    per_family: dict = {"grads": {}, "collectives": {}, "gathered": {}}
+    for name, mode, micro_batches in [("exact", "exact", "GH"), ("detached", "detached", "G")]:
+        start = len(log)
+        fsdp.zero_grad(set_to_none=True)
+        gathered.clear()
+        if mode == "exact":  # as the recipes run FSDP2: recomputed layers are gathered again by FSDP2
+            fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        trainer.args.prompt_gradient = mode
+        for i, key in enumerate(micro_batches):
+            fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            batch = batches[key]
+            trainer.training_step(fsdp, rows_of(batch, rank), batch["num_items_in_batch"])
+        fsdp.gradient_checkpointing_disable()
+        assert trainer._engine(fsdp).lockstep, "the engine does not pad the groups' passes"
+        assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
+        per_family["grads"][name] = full_grads(fsdp)
+        per_family["collectives"][name] = log[start:]
+        per_family["gathered"][name] = most_gathered()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (per_family["collectives"], per_family["gathered"]))
+    results = {
+        "grads": per_family["grads"],
+        "collectives": [e[0] for e in everyone],
+        "gathered": [e[1] for e in everyone],
+        "layers": len(fsdp.model.layers),
+        "generation": generate_in_lockstep(trainer, fsdp, log),
+    }
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+
+
+# Expert parallelism over all 4 processes (1 of the tiny glm_moe_dsa's 4 experts per rank): the EP group spans both
+# shard groups.
+EP_SIZE = 4
+
+
+def expert_parallel(model_path: str, batches_path: str, out_path: str) -> None:
+    """A MoE model loaded expert-parallel by the trainer (`expert_parallel_size=EP_SIZE`, FSDP2 by transformers) with
+    shard groups of 2. Rank 0 writes to `out_path` the gradients of the `exact` and `detached` scenarios, how many
+    experts the expert modules held in their forwards on each rank, and the generation of `generate_in_lockstep`
+    (against `generate` on the model loaded whole)."""
+    os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+    from accelerate import PartialState
+    from datasets import Dataset
+    from dist_worker import count_collectives, rows_of, trainer_config
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     from trl_longstraw import LongStrawGRPOTrainer
     from trl_longstraw.expert_parallel import local_experts
 
+    PartialState()
     rank = dist.get_rank()
+    assert dist.get_world_size() == WORLD, f"the shard group tests need {WORLD} processes"
+    batches = torch.load(batches_path)
+    log: list = []
+    count_collectives(log)
     config = trainer_config(
         tempfile.mkdtemp(),
         num_generations=8,
@@ -245,91 +326,6 @@ def expert_parallel_run(model_path: str, batches: dict, log: list) -> dict:
     generation = generate_in_lockstep(trainer, model, log, whole)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(experts))
-    return {"grads": grads, "experts": everyone, "generation": generation}
-
-
-def main(batches_path: str, out_path: str, *model_paths: str) -> None:
-    os.environ.setdefault("ACCELERATE_USE_CPU", "1")
-    from accelerate import PartialState
-    from datasets import Dataset
-    from dist_worker import count_collectives, probe_gathers, rows_of, trainer_config
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-    from transformers import AutoModelForCausalLM
-    from trl.trainer.utils import add_fused_lm_head
-
-    from trl_longstraw import LongStrawGRPOTrainer
-
-    PartialState()  # the process group, as the trainers' accelerator sets it up
-    world, rank = dist.get_world_size(), dist.get_rank()
-    assert world == WORLD, f"the shard group tests need {WORLD} processes, got {world}"
-    batches = torch.load(batches_path)
-    log: list = []
-    count_collectives(log)
-    mesh = init_device_mesh("cpu", (world,))
-    results: dict = {}
-    for model_path in model_paths:
-        config = trainer_config(
-            tempfile.mkdtemp(), num_generations=8, shard_prompt_state=True, prompt_shard_group_size=GROUP_SIZE
-        )
-        trainer = LongStrawGRPOTrainer(
-            model_path,
-            lambda completions, **kw: [0.0] * len(completions),
-            config,
-            Dataset.from_dict({"prompt": ["a"] * 8}),
-        )
-        assert trainer.accelerator.num_processes == WORLD
-        shards = trainer._prompt_shards
-        assert shards is not None and shards.world == GROUP_SIZE
-        assert dist.get_process_group_ranks(shards.group) == [r for r in range(world) if r // 2 == rank // 2]
-        trainer._prepare_inputs = lambda x: x
-        trainer.current_gradient_accumulation_steps = 1
-        # FSDP2 applied directly: on CPU, accelerate would silently turn an FSDP config into DDP.
-        fsdp = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        add_fused_lm_head(fsdp, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
-        for layer in fsdp.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(fsdp, mesh=mesh)
-        assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
-        # Each model's probe wraps FSDP2's gathers again; the earlier models' probes see their own (idle) layers.
-        gathered, most_gathered = probe_gathers(fsdp)
-        per_family: dict = {"grads": {}, "collectives": {}, "gathered": {}}
-        for name, mode, micro_batches in [("exact", "exact", "GH"), ("detached", "detached", "G")]:
-            start = len(log)
-            fsdp.zero_grad(set_to_none=True)
-            gathered.clear()
-            if mode == "exact":  # as the recipes run FSDP2: recomputed layers are gathered again by FSDP2
-                fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            trainer.args.prompt_gradient = mode
-            for i, key in enumerate(micro_batches):
-                fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
-                batch = batches[key]
-                trainer.training_step(fsdp, rows_of(batch, rank), batch["num_items_in_batch"])
-            fsdp.gradient_checkpointing_disable()
-            assert trainer._engine(fsdp).lockstep, "the engine does not pad the groups' passes"
-            assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
-            per_family["grads"][name] = full_grads(fsdp)
-            per_family["collectives"][name] = log[start:]
-            per_family["gathered"][name] = most_gathered()
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, (per_family["collectives"], per_family["gathered"]))
-        results[model_path] = {
-            "grads": per_family["grads"],
-            "collectives": [e[0] for e in everyone],
-            "gathered": [e[1] for e in everyone],
-            "layers": len(fsdp.model.layers),
-            "generation": generate_in_lockstep(trainer, fsdp, log),
-        }
-        if fsdp.config.model_type == "glm_moe_dsa":  # the MoE family also runs expert-parallel
-            results[model_path]["expert_parallel"] = expert_parallel_run(model_path, batches, log)
     if rank == 0:
-        torch.save(results, out_path)
+        torch.save({"grads": grads, "experts": everyone, "generation": generation}, out_path)
     dist.barrier()
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.torchrun_main import run
-
-    run(main, sys.argv[1:])

@@ -124,12 +124,17 @@ def test_summary_reads_the_heldout_accuracy():
 @pytest.mark.slow
 def test_demo_learns_the_needle(tmp_path):
     """The embedded default (`recipes/grpo_long.py` with no arguments), seed 0: GRPO raises the greedy accuracy on
-    held-out prompts of the demo's own length (384 tokens) by at least 0.2 from its value after the warm-up."""
+    held-out prompts of the demo's own length (384 tokens) by at least 0.2 from its value after the warm-up, within
+    the first 10 of its 60 steps (the learning rate is constant, so they are the full run's first 10: 0.43 -> 0.99 in
+    benchmarks/DEMO.md; `make demo` runs all 60)."""
     script = load_script()
     script_args, training_args, model_args = script.parse([])
     assert script_args.prompt_tokens == 384 and script_args.warmup_sft_prompt_tokens == 32
     assert training_args.seed == 0 and script_args.heldout_prompts >= 200
+    assert training_args.lr_scheduler_type == "constant" and training_args.max_steps == 60
+    assert script_args.heldout_steps == 10
     training_args.output_dir = str(tmp_path)
+    training_args.max_steps = 10
     trainer = script.main(script_args, training_args, model_args)
     curve = [(h["step"], h[ACCURACY_KEY]) for h in trainer.state.log_history if ACCURACY_KEY in h]
     steps = training_args.max_steps
