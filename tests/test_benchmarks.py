@@ -228,7 +228,7 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
 def test_bench_sharded_end_to_end(tmp_path):
     """bench_sharded.py on the tiny llama, a prompt of 3 chunks: each setup reports; sharded, the context-parallel
     passes (a round of 2 chunks of 128, then one of 64 and 64) leave each rank half of the prompt state and about
-    half of the MLP tokens."""
+    half of the MLP tokens; the critical path bounds every rank's CPU time."""
     out = tmp_path / "SHARDED.md"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_sharded.py"), "--family", "llama", "--P", "385"]
@@ -242,6 +242,10 @@ def test_bench_sharded_end_to_end(tmp_path):
     assert by_setup["sharded x2"]["state_bytes"] * 2 == by_setup["DDP x2"]["state_bytes"]
     assert by_setup["sharded x2"]["mlp_tokens"] <= 0.55 * by_setup["1 process"]["mlp_tokens"]
     assert all(r["time_s"] > 0 and r["cpu_s"] > 0 and r["reverse_s"] > 0 for r in records)
+    # The critical path (sum over the segments between collectives of the largest rank's CPU time) is at least every
+    # rank's CPU time, and equals it in one process (no waits).
+    assert all(r["critical_s"] >= r["cpu_s"] - 1e-6 and r["wait_s"] >= -1e-6 for r in records)
+    assert by_setup["1 process"]["wait_s"] == 0
     assert "| 385 | sharded x2 |" in out.read_text()
 
 
