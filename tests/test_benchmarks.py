@@ -164,7 +164,9 @@ def test_bench_whole_step_tiny(tmp_path, bench_env):
 @pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
     """benchmarks/gpu_check.sh end to end with tiny widths on CPU: every stage records its figures, and the bf16
-    stage's end-to-end comparisons meet the mixed-precision criterion."""
+    stage's end-to-end comparisons meet the mixed-precision criterion. The model stages search up to 512 positions
+    (256, 512: one doubling) with 16-token completions, the real script's options: the replays of 128-token ones and a
+    third, larger step per search and mode took most of the run's time."""
     env = {
         **_env(),
         "OUT": str(tmp_path),
@@ -173,7 +175,8 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
         "GPU_CHECK_TOTAL_S": "400",
     }
     proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", "cpu", "--tiny"],
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", "cpu", "--tiny", "--max-positions", "512"]
+        + ["--C", "16"],
         capture_output=True,
         text=True,
         env=env,
@@ -211,14 +214,14 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
         steps = [r for r in records if r["kind"] == "step" and r["model"] == label]
         for mode in ("detached", "exact"):
             done = [r for r in steps if r["mode"] == mode and r["phase"] == "search" and r["status"] == "ok"]
-            assert [r["P"] for r in done] == [256, 512, 1024], (label, mode, steps)
+            assert [r["P"] for r in done] == [256, 512], (label, mode, steps)
         assert any(r["kind"] == "group_compare" and r["model"] == label for r in records)
         assert all(r["flops_prefill"] > 0 and r["flops_replay"] > 0 for r in steps)
         if model != "llama":
             assert any(r["phase"] == "reference kernels" and r["status"] == "ok" for r in steps), steps
     assert "llama" in ADAPTERS
     report = (tmp_path / "gpu_results.md").read_text()
-    assert "## llama-tiny" in report and "largest prompt positions per step measured: 1,024" in report
+    assert "## llama-tiny" in report and "largest prompt positions per step measured: 512" in report
     assert "## CUDA kernels vs their PyTorch references" in report and "prefill tok/s" in report
     assert "## GLM slice vs Qwen slice: prefill time per prompt token" in report
 
