@@ -160,6 +160,7 @@ def run_config(args, model_path: str, label: str, completions: str) -> dict:
     cmd += [f"--G={args.G}", f"--C={args.C}", f"--chunk={chunk}", f"--completions={completions}"]
     cmd += [f"--dtype={args.dtype}", f"--threads={args.threads}", f"--model-path={model_path}"]
     cmd += [f"--mem-limit-gib={args.mem_limit_gib}"] + ([] if args.reverse_ckpt else ["--no-reverse-ckpt"])
+    cmd += ["--prefill-attention-reuse"] if args.prefill_attention else []
     env = {
         **os.environ,
         "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD,
@@ -298,7 +299,7 @@ def report(args, raw: dict, records: dict) -> list[str]:
         f"- work: tiny {args.family}, one prompt of P={args.P} tokens, G={args.G} completions of at most C={args.C} "
         f"tokens ({'; '.join(f'{c}: {v}' for c, v in lengths.items())}); {args.dtype}; gradient checkpointing on "
         f"(non-reentrant); ours with prefill_chunk_size {chunks} (the chunk column), reverse_checkpointing "
-        f"{args.reverse_ckpt}; a fresh process per "
+        f"{args.reverse_ckpt}, prefill_attention_reuse {args.prefill_attention} (exact); a fresh process per "
         f"configuration, a "
         f"timeout of {args.timeout:.0f} s wall and a stop at {args.mem_limit_gib:g} GiB growth (OOM)",
         "- limit: one no-grad forward of the prompt alone (logits of its last token only); stock_best: "
@@ -339,6 +340,12 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=4096, help="prefill_chunk_size of ours (library default)")
     parser.add_argument(
         "--no-reverse-ckpt", dest="reverse_ckpt", action="store_false", help="ours with reverse_checkpointing=False"
+    )
+    parser.add_argument(
+        "--prefill-attention-reuse",
+        dest="prefill_attention",
+        action="store_true",
+        help="ours (exact) with prefill_attention_reuse=True",
     )
     parser.add_argument("--more-chunks", default="", help="comma-separated other prefill_chunk_size values of ours")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

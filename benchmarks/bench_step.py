@@ -119,12 +119,13 @@ def build_trainer(
     dtype: str,
     rows_per_step: int | None = None,
     reverse_ckpt: bool = True,
+    prefill_attention: bool = False,
 ):
     """A trainer of `impl` on the saved model, set up to call `training_step` on hand-built micro-batches.
 
     `rows_per_step` (default `g`) is `per_device_train_batch_size`; below `g`, gradient accumulation covers the group
     (`gradient_accumulation_steps = g / rows_per_step`), as a stock user sets it to bring memory down. `reverse_ckpt`
-    is ours' `reverse_checkpointing`."""
+    is ours' `reverse_checkpointing`, `prefill_attention` its `prefill_attention_reuse` (exact mode)."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -159,6 +160,7 @@ def build_trainer(
             prefill_chunk_size=chunk,
             prefill_progress=False,
             reverse_checkpointing=reverse_ckpt,
+            prefill_attention_reuse=prefill_attention and impl == "exact",
         )
         trainer = LongStrawGRPOTrainer(model_path, reward, config, train_dataset=dataset)
     trainer._prepare_inputs = lambda x: x
@@ -209,6 +211,7 @@ def worker(args) -> None:
         args.grad_ckpt,
         args.dtype,
         reverse_ckpt=args.reverse_ckpt,
+        prefill_attention=args.prefill_attention,
     )
     vocab = trainer.model.config.get_text_config().vocab_size
     device = trainer.accelerator.device
@@ -782,6 +785,12 @@ def main(argv=None):
     parser.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false", help="disable gradient ckpt")
     parser.add_argument(
         "--no-reverse-ckpt", dest="reverse_ckpt", action="store_false", help="ours with reverse_checkpointing=False"
+    )
+    parser.add_argument(
+        "--prefill-attention-reuse",
+        dest="prefill_attention",
+        action="store_true",
+        help="ours (exact) with prefill_attention_reuse=True",
     )
     parser.add_argument("--timeout", type=float, default=400, help="wall seconds per configuration")
     parser.add_argument("--mem-limit-gib", type=float, default=6, help="growth at which a configuration is stopped")

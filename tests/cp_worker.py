@@ -1,24 +1,22 @@
 """Worker of tests/test_context_parallel.py: one rank of a 2-process CPU (gloo) run of the engine's exact-mode
 backward with context-parallel prompt passes, in fp32 and under bf16 autocast (TRL's `bf16=True`).
 
-Launched as `torchrun --nproc_per_node 2 tests/cp_worker.py MODEL_PATH OUT`. Every rank first runs the whole
-micro-batch alone (no shards: fp32, then bf16 autocast), then its own rows with the prompt state sharded over both
-ranks (fp32, bf16), whose gradients are summed over the ranks. The micro-batch: one prompt of 61 tokens in chunks
-of 7 (60 prefix tokens: 4 rounds of 2 chunks of 7, then a round of 2 + 2), 2 + 2 ragged completions; for glm_moe_dsa
-a second, left-padded prompt of 38 tokens (37 prefix tokens: 2 rounds of 2 chunks of 7, then a round of 5 + 4), each
-rank holding one completion of each prompt, the rounds' exchanges in slices of 3 query rows per rank, and the DSA
-round check `dsa_round_errors` of every rank. For llama and qwen3_5,
-then, under gradient checkpointing, the sharded fp32 run twice: with the reverse pass's attention reuse (each
-checkpoint recompute takes its attention layer's kept output instead of exchanging and attending again) and without
-it, counting fused attention forwards and all-to-alls. Rank 0 writes the gradient sets (the DSA errors, the counts)
-to `OUT`.
+Launched through `tests.helpers.torchrun` (2 processes), one case per model: `main(MODEL_PATH, OUT)`. Every rank first
+runs the whole micro-batch alone (no shards: fp32, then bf16 autocast), then its own rows with the prompt state sharded
+over both ranks (fp32, bf16), whose gradients are summed over the ranks. The micro-batch: one prompt of 61 tokens in
+chunks of 7 (60 prefix tokens: 4 rounds of 2 chunks of 7, then a round of 2 + 2), 2 + 2 ragged completions; for
+glm_moe_dsa a second, left-padded prompt of 38 tokens (37 prefix tokens: 2 rounds of 2 chunks of 7, then a round of 5 +
+4), each rank holding one completion of each prompt, the rounds' exchanges in slices of 3 query rows per rank, and the
+DSA round check `dsa_round_errors` of every rank. For llama and qwen3_5, then, under gradient checkpointing, the
+sharded fp32 run twice: with the reverse pass's attention reuse (each checkpoint recompute takes its attention layer's
+kept output instead of exchanging and attending again) and without it, counting fused attention forwards and
+all-to-alls, and with the reuse each rank's (query, key) pairs through the fused kernels in the context-parallel
+rounds. Rank 0 writes the gradient sets (the DSA errors, the counts) to `OUT`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -158,7 +156,8 @@ def main(model_path: str, out_path: str) -> None:
     from trl_longstraw.sharding import PromptShards
     from trl_longstraw.testing import random_micro_batch
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # an earlier case of the launch set it up
+        dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     assert world == 2, f"the context-parallel test needs 2 processes, got {world}"
     torch.manual_seed(0)
@@ -168,10 +167,6 @@ def main(model_path: str, out_path: str) -> None:
     glm = model.config.model_type == "glm_moe_dsa"
     if glm:  # two prompts, left-padded; each rank holds rows of both (rows 0, 2 and 1, 3)
         batch = random_micro_batch([61, 38], [3, 2, 4, 1], [0, 0, 1, 1], model.config.vocab_size, seed=3)
-        import trl_longstraw.glm_moe_dsa as glm_module
-
-        # The rounds' exchanges in slices of 3 query rows per rank (chunks of 7: 3 slices, checkpointed with autograd).
-        glm_module.EXCHANGE_ROWS = 6
     else:
         batch = random_micro_batch([61], [3, 2, 4, 1], [0, 0, 0, 0], model.config.vocab_size, seed=3)
     g = torch.Generator().manual_seed(4)
@@ -198,45 +193,65 @@ def main(model_path: str, out_path: str) -> None:
             grads[name] = grad
         return grads
 
-    shards = PromptShards(None)
-    results = {
-        "single fp32": run(None, contextlib.nullcontext),
-        "single bf16": run(None, bf16),
-        "sharded fp32": run(shards, contextlib.nullcontext),
-        "sharded bf16": run(shards, bf16),
-    }
-    if glm:
-        results["dsa round errors"] = [None] * world
-        dist.all_gather_object(results["dsa round errors"], dsa_round_errors(rank))
-    else:
-        counts = {"kernel": 0, "all_to_all": 0}
-        kernel_forward, all_to_all = attention._kernel_forward, dist.all_to_all_single
+    import trl_longstraw.glm_moe_dsa as glm_module
 
-        def counted_kernel(*args):
-            counts["kernel"] += 1
-            return kernel_forward(*args)
+    # What the runs below patch, restored for the launch's next case.
+    saved = (
+        glm_module.EXCHANGE_ROWS,
+        attention._kernel_forward,
+        sharding._kernel_forward,
+        dist.all_to_all_single,
+        engine.Pass.attention_reuse,
+    )
+    if glm:  # the rounds' exchanges in slices of 3 query rows per rank (chunks of 7: 3 slices, checkpointed)
+        glm_module.EXCHANGE_ROWS = 6
+    try:
+        shards = PromptShards(None)
+        results = {
+            "single fp32": run(None, contextlib.nullcontext),
+            "single bf16": run(None, bf16),
+            "sharded fp32": run(shards, contextlib.nullcontext),
+            "sharded bf16": run(shards, bf16),
+        }
+        if glm:
+            results["dsa round errors"] = [None] * world
+            dist.all_gather_object(results["dsa round errors"], dsa_round_errors(rank))
+        else:
+            counts = {"kernel": 0, "all_to_all": 0, "pairs": 0}
+            kernel_forward, all_to_all = attention._kernel_forward, dist.all_to_all_single
 
-        def counted_all_to_all(*args, **kwargs):
-            counts["all_to_all"] += 1
-            return all_to_all(*args, **kwargs)
+            def counted_kernel(kind, q, k, v, causal, scale):
+                # Fused attention calls, and the (query, key) pairs they score in the prompt's context-parallel
+                # rounds: this rank's attention work in the prefill and the reverse pass.
+                counts["kernel"] += 1
+                pairs = q.shape[2] * (q.shape[2] + 1) // 2 if causal else q.shape[2] * k.shape[2]
+                counts["pairs"] += shards.in_round * q.shape[0] * q.shape[1] * pairs
+                return kernel_forward(kind, q, k, v, causal, scale)
 
-        attention._kernel_forward = sharding._kernel_forward = counted_kernel
-        dist.all_to_all_single = counted_all_to_all
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()  # transformers checkpoints only in training mode; the tiny models have no dropout
-        results["sharded fp32 checkpointed, reuse"] = run(shards, contextlib.nullcontext)
-        results["counts, reuse"] = dict(counts)
-        counts.update(kernel=0, all_to_all=0)
-        engine.Pass.attention_reuse = lambda self, layer_idx: None
-        results["sharded fp32 checkpointed, no reuse"] = run(shards, contextlib.nullcontext)
-        results["counts, no reuse"] = dict(counts)
+            def counted_all_to_all(*args, **kwargs):
+                counts["all_to_all"] += 1
+                return all_to_all(*args, **kwargs)
+
+            attention._kernel_forward = sharding._kernel_forward = counted_kernel
+            dist.all_to_all_single = counted_all_to_all
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()  # transformers checkpoints only in training mode; the tiny models have no dropout
+            results["sharded fp32 checkpointed, reuse"] = run(shards, contextlib.nullcontext)
+            results["counts, reuse"] = dict(counts)
+            results["pairs per rank"] = [None] * world
+            dist.all_gather_object(results["pairs per rank"], counts["pairs"])
+            counts.update(kernel=0, all_to_all=0, pairs=0)
+            engine.Pass.attention_reuse = lambda self, layer_idx: None
+            results["sharded fp32 checkpointed, no reuse"] = run(shards, contextlib.nullcontext)
+            results["counts, no reuse"] = dict(counts)
+    finally:
+        (
+            glm_module.EXCHANGE_ROWS,
+            attention._kernel_forward,
+            sharding._kernel_forward,
+            dist.all_to_all_single,
+            engine.Pass.attention_reuse,
+        ) = saved
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.torchrun_main import run
-
-    run(main, sys.argv[1:3])

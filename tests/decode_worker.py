@@ -1,9 +1,9 @@
 """Worker of tests/test_generation.py's 2-process test: shared-prompt decoding against a prompt state sharded over 2
 CPU processes (gloo).
 
-Launched with `torchrun --nproc_per_node 2 tests/decode_worker.py MODEL_PATH OUT`. The two ranks hold other rows of
-the same prompts (13, 7 and 1 tokens, prefilled in chunks of 3; 2, 2, 1 rows on rank 0 and 1, 2, 3 on rank 1), and
-each rank:
+Launched through `tests.helpers.torchrun` (2 processes), one case per model: `main(MODEL_PATH, OUT)`. The two ranks
+hold other rows of the same prompts (13, 7 and 1 tokens, prefilled in chunks of 3; 2, 2, 1 rows on rank 0 and 1, 2, 3
+on rank 1), and each rank:
 
 - greedy: runs `_generate_single_turn` of a `LongStrawGRPOTrainer` with `shard_prompt_state=True` and transformers'
   own `generate` on the same rows;
@@ -24,7 +24,6 @@ Rank 0 writes every rank's results to `OUT`.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
@@ -208,10 +207,3 @@ def main(model_path: str, out_path: str) -> None:
     if rank == 0:
         torch.save(everyone, out_path)
     dist.barrier()
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.torchrun_main import run
-
-    run(main, sys.argv[1:3])

@@ -1,8 +1,8 @@
 """Worker of tests/test_distributed.py: one rank of a 2-process CPU (gloo) run of LongStraw training steps.
 
-Launched by the test with `torchrun --nproc_per_node 2 tests/dist_worker.py MODEL_PATH BATCHES OUT`. `BATCHES` is a
-`torch.save`d dict of global micro-batches (each row tagged with the rank that runs it); each rank takes its rows and
-runs these scenarios on them:
+Launched by the test through `tests.helpers.torchrun` (2 processes), one case per model: `main(MODEL_PATH, BATCHES,
+OUT)`. `BATCHES` is a `torch.save`d dict of global micro-batches (each row tagged with the rank that runs it); each
+rank takes its rows and runs these scenarios on them:
 
 - `ddp_exact`: DDP, exact mode, micro-batch `A` under `no_sync` (gradient accumulation), then `B` synchronized;
 - `ddp_detached`: DDP, detached mode, `B`;
@@ -31,9 +31,10 @@ runs these scenarios on them:
 - `nonfinite_raise`: the sharded exact step on `S` with a NaN advantage in rank 1's rows only (`on_nonfinite`
   "raise"): every rank must raise FloatingPointError before back-propagating (none left waiting in a collective);
   the messages are kept;
-- first of all, `sharded_prefix_attention` alone against `prefix_merge_attention`, and the glm_moe_dsa sharded
-  selection and latent attention against their references, in fp64; `PromptShards.broadcast_boundary` alone on
-  records of mixed dtypes.
+
+and one case without a model (`kernels`): `sharded_prefix_attention` alone against `prefix_merge_attention`, and the
+glm_moe_dsa sharded selection and latent attention against their references, in fp64; `PromptShards.broadcast_boundary`
+alone on records of mixed dtypes.
 
 Rank 0 writes the full (gathered) parameter gradients, the logps of the sharded scoring, each rank's sequence of
 collective calls, the state sizes and the recurrent records each rank holds after a sharded exact-mode prefill to
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 
@@ -73,13 +73,22 @@ COLLECTIVES = [
 ]
 
 
+# The log that the wrapped collectives append to: the latest `count_collectives` call's (a launch runs several cases).
+_LOG: list[list] = []
+
+
 def count_collectives(log: list) -> None:
-    """Wraps the collectives of `torch.distributed` so that each call appends `(name, tensor shapes)` to `log`."""
+    """Makes each call of a collective of `torch.distributed` append `(name, tensor shapes)` to `log` (wrapping them
+    once per process; a later call redirects the records to its own `log`)."""
+    if _LOG:
+        _LOG[0] = log
+        return
+    _LOG.append(log)
 
     def wrap(name, fn):
         def wrapper(*args, **kwargs):
             shapes = tuple(tuple(a.shape) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
-            log.append((name, shapes))
+            _LOG[0].append((name, shapes))
             return fn(*args, **kwargs)
 
         return wrapper
@@ -148,6 +157,10 @@ def make_batches(vocab_size: int) -> dict[str, dict]:
     return batches
 
 
+# The model whose gathers the wrapped FSDP2 methods record: `(its decoder layers, their parameter groups, record)`.
+_PROBED: list[tuple] = []
+
+
 def probe_gathers(fsdp) -> tuple[list[tuple[int, int]], Callable[[], tuple[int, int, int]]]:
     """Whenever FSDP2 gathers a parameter group of `fsdp` (an unshard, a prefetch included, or the wait that completes
     one), records how many decoder layers are gathered or being gathered, and how many hold their unsharded (plain
@@ -164,20 +177,23 @@ def probe_gathers(fsdp) -> tuple[list[tuple[int, int]], Callable[[], tuple[int, 
 
     gathered: list[tuple[int, int]] = []
     layers = fsdp.model.layers
-    layer_groups = [_param_groups_of(layer) for layer in layers]
+    first = not _PROBED
+    _PROBED[:] = [(layers, [_param_groups_of(layer) for layer in layers], gathered)]
+    if first:  # wrapped once per process; a later call probes its own model
 
-    def probed(fn):
-        def wrapper(self, *args, **kwargs):
-            out = fn(self, *args, **kwargs)
-            held = sum(any(g.is_unsharded or g._all_gather_result is not None for g in gs) for gs in layer_groups)
-            plain = sum(not isinstance(next(layer.parameters()), DTensor) for layer in layers)
-            gathered.append((held, plain))
-            return out
+        def probed(fn):
+            def wrapper(self, *args, **kwargs):
+                out = fn(self, *args, **kwargs)
+                layers, layer_groups, record = _PROBED[0]
+                held = sum(any(g.is_unsharded or g._all_gather_result is not None for g in gs) for gs in layer_groups)
+                plain = sum(not isinstance(next(layer.parameters()), DTensor) for layer in layers)
+                record.append((held, plain))
+                return out
 
-        return wrapper
+            return wrapper
 
-    FSDPParamGroup.unshard = probed(FSDPParamGroup.unshard)
-    FSDPParamGroup.wait_for_unshard = probed(FSDPParamGroup.wait_for_unshard)
+        FSDPParamGroup.unshard = probed(FSDPParamGroup.unshard)
+        FSDPParamGroup.wait_for_unshard = probed(FSDPParamGroup.wait_for_unshard)
 
     def most_gathered() -> tuple[int, int, int]:
         probes = (len(gathered), max(h for h, _ in gathered), max(p for _, p in gathered))
@@ -541,8 +557,6 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     trainer.current_gradient_accumulation_steps = 1
     count_collectives(log)
     results: dict = {"collectives": {}, "state_bytes": {}, "gathered": {}}
-    attention_errors = sharded_attention_errors(rank, world) | sharded_dsa_errors(rank, world)
-    boundary_broadcast = boundary_broadcast_problems(rank)
 
     def full_grads(model) -> dict[str, torch.Tensor]:
         grads = {}
@@ -737,9 +751,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         logps,
         results["collectives"],
         results["state_bytes"],
-        attention_errors,
         held,
-        boundary_broadcast,
         results["gathered"],
         batched_logps,
         results["mlp_tokens"],
@@ -750,19 +762,27 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["sharded_logps"] = [e[0] for e in everyone]
         results["collectives"] = [e[1] for e in everyone]
         results["state_bytes"] = [e[2] for e in everyone]
-        results["attention_errors"] = [e[3] for e in everyone]
-        results["boundaries"] = [e[4] for e in everyone]
-        results["boundary_broadcast"] = [e[5] for e in everyone]
-        results["gathered"] = [e[6] for e in everyone]
-        results["batched_logps"] = [e[7] for e in everyone]
-        results["mlp_tokens"] = [e[8] for e in everyone]
-        results["nonfinite"] = [e[9] for e in everyone]
+        results["boundaries"] = [e[3] for e in everyone]
+        results["gathered"] = [e[4] for e in everyone]
+        results["batched_logps"] = [e[5] for e in everyone]
+        results["mlp_tokens"] = [e[6] for e in everyone]
+        results["nonfinite"] = [e[7] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.torchrun_main import run
-
-    run(main, sys.argv[1:4])
+def kernels(out_path: str) -> None:
+    """The sharded attention (`sharded_attention_errors`, `sharded_dsa_errors`) and `broadcast_boundary`
+    (`boundary_broadcast_problems`) alone, on synthetic tensors: no model involved. Rank 0 writes every rank's
+    `{"attention_errors": ..., "boundary_broadcast": ...}` to `OUT`."""
+    if not dist.is_initialized():  # the launch's model cases set it up through their trainers
+        dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    assert world == 2, f"the distributed tests need 2 processes, got {world}"
+    mine = (sharded_attention_errors(rank, world) | sharded_dsa_errors(rank, world), boundary_broadcast_problems(rank))
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        torch.save(
+            {"attention_errors": [e[0] for e in everyone], "boundary_broadcast": [e[1] for e in everyone]}, out_path
+        )

@@ -1,9 +1,9 @@
 """Worker of tests/test_expert_parallel.py's generation test: shared-prompt generation under expert parallelism on 2
 CPU processes (gloo).
 
-Launched with `torchrun --nproc_per_node 2 tests/ep_generate_worker.py MODEL_PATH OUT`. The trainer loads the MoE
-model with `expert_parallel_size=2` (2 of the 4 experts of each MoE layer per rank, the rest under FSDP2), so every
-decoding forward runs the experts' all-to-alls, which need both ranks. Each rank:
+Launched through `tests.helpers.torchrun` (2 processes), one case per model: `main(MODEL_PATH, OUT)`. The trainer loads
+the MoE model with `expert_parallel_size=2` (2 of the 4 experts of each MoE layer per rank, the rest under FSDP2), so
+every decoding forward runs the experts' all-to-alls, which need both ranks. Each rank:
 
 - greedy generation through the trainer (`_generate_single_turn`), with the prompt state sharded over both ranks
   (the ranks hold other rows of the same prompts) and without it (data parallelism: rank 0 holds 2 distinct prompts,
@@ -21,7 +21,6 @@ Rank 0 writes every rank's results to `OUT`.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
@@ -218,11 +217,3 @@ def main(model_path: str, out_path: str) -> None:
     if rank == 0:
         torch.save(everyone, out_path)
     dist.barrier()
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tests.torchrun_main import run
-
-    run(main, sys.argv[1:3])

@@ -1,12 +1,12 @@
 """Worker of tests/test_expert_parallel.py: one rank of a 2-process CPU (gloo) run with expert parallelism.
 
-Launched by the test with `torchrun --nproc_per_node 2 tests/ep_worker.py MODEL_PATH BATCHES OUT`. The trainer loads
-the MoE model itself with `expert_parallel_size=2` (transformers' `DistributedConfig(fsdp_size=2, ep_size=2,
-ep_implementation="all_to_all")`: 2 of the 4 experts of each MoE layer per rank, everything else under FSDP2), with
-the prompt state sharded over both ranks, and runs micro-batch `S` of `dist_worker.make_batches` (both ranks hold the
-same prompts, different completions) in exact mode (also with non-reentrant gradient checkpointing, and with LoRA) and
-in detached mode; then without the sharded state (the engine's data-parallel lockstep) on micro-batches `A` (exact)
-and `B` (detached), where the ranks hold different prompts; then FSDP2's CPU offload runs.
+Launched through `tests.helpers.torchrun` (2 processes), one case per model: `main(MODEL_PATH, BATCHES, OUT)`. The
+trainer loads the MoE model itself with `expert_parallel_size=2` (transformers' `DistributedConfig(fsdp_size=2,
+ep_size=2, ep_implementation="all_to_all")`: 2 of the 4 experts of each MoE layer per rank, everything else under
+FSDP2), with the prompt state sharded over both ranks, and runs micro-batch `S` of `dist_worker.make_batches` (both
+ranks hold the same prompts, different completions) in exact mode (also with non-reentrant gradient checkpointing, and
+with LoRA) and in detached mode; then without the sharded state (the engine's data-parallel lockstep) on micro-batches
+`A` (exact) and `B` (detached), where the ranks hold different prompts; then FSDP2's CPU offload runs.
 
 Rank 0 writes to `OUT`: the full parameter gradients of each run (gathered from the DTensors), how many experts each
 expert module held in every forward on each rank, each rank's local expert weights after training (to compare with
@@ -18,21 +18,29 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 
+# The log that the wrapped exchanges append to: the latest `count_expert_exchanges` call's.
+_LOG: list[list] = []
+
 
 def count_expert_exchanges(log: list) -> None:
-    """Logs transformers' expert all-to-alls as `("ep_" + name, tensor shapes)`: its EP module binds them by name at
-    import, out of reach of `dist_worker.count_collectives`."""
+    """Logs transformers' expert all-to-alls to `log` as `("ep_" + name, tensor shapes)`: its EP module binds them by
+    name at import, out of reach of `dist_worker.count_collectives`. Wrapped once per process; a later call redirects
+    the records to its own `log`."""
     import transformers.distributed.expert_parallel as hf_ep
+
+    if _LOG:
+        _LOG[0] = log
+        return
+    _LOG.append(log)
 
     def wrap(name, fn):
         def wrapper(*args, **kwargs):
-            log.append((f"ep_{name}", tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))))
+            _LOG[0].append((f"ep_{name}", tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))))
             return fn(*args, **kwargs)
 
         return wrapper
@@ -269,11 +277,3 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["offload"] = [e[5] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from tests.torchrun_main import run
-
-    run(main, sys.argv[1:4])

@@ -1,9 +1,9 @@
 """Worker of tests/test_shard_groups.py: one rank of a 4-process CPU (gloo) run with the prompt state sharded over
 shard groups of 2 ranks (ranks 0-1 and 2-3) and the model under FSDP2 over all 4.
 
-Launched by the test with `torchrun --nproc_per_node 4 tests/group_worker.py BATCHES OUT MODEL_PATH...`. `BATCHES` is a
-`torch.save`d dict of global micro-batches (each row tagged with the rank that runs it, see `make_group_batches`). For
-each model, the worker applies `fully_shard` to every decoder layer and the root and runs, through
+Launched by the test through `tests.helpers.torchrun` (4 processes), one case per model: `main(MODEL_PATH, BATCHES,
+OUT)`. `BATCHES` is a `torch.save`d dict of global micro-batches (each row tagged with the rank that runs it, see
+`make_group_batches`). The worker applies `fully_shard` to every decoder layer and the root and runs, through
 `trainer.training_step`:
 
 - `exact`: exact mode with non-reentrant gradient checkpointing, `G` under `set_requires_gradient_sync(False)`
@@ -21,14 +21,15 @@ EOS tokens, taken from a free-running `generate` of its rows, so that rank 0's r
 2 or 3, rank 2's within 5 and rank 3's rows run to the maximum of 8: rank 0 steps on in its group's branch
 rounds, group 0 runs filler steps while group 1 decodes, and group 1 filler prefills and steps through group 0's
 second prompt. The reference is transformers' `generate` on the unsharded model with the same rows and EOS tokens.
+The ranks generate once more offering the prompt states to an exact-mode loss pass, as in training (prefilled with
+chunk boundaries after each prompt's left padding).
 
-Rank 0 writes the full (gathered) parameter gradients and every rank's records to `OUT`, by model path.
+Rank 0 writes the full (gathered) parameter gradients and every rank's records to `OUT`.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
@@ -137,16 +138,28 @@ def generate_in_lockstep(trainer, fsdp, log: list) -> dict:
     free = reference([pad])
     eos = rank_eos(free, rank, pad)
     expected = reference(eos)
+    assert trainer._shared_generation, "the trainer generates with transformers' generate"
     engine = trainer._engine(fsdp)
     assert engine.lockstep and engine.shards is not None and engine.shards.world < dist.get_world_size()
     start = len(log)
     with torch.no_grad():
         got = generate_shared(fsdp, engine, ids, config(eos), pad, eos, None, torch.device("cpu"))
     collectives = log[start:]
+    # Again as in training, offering each prompt's state to an exact-mode loss pass: prefilled with chunk boundaries
+    # at the positions the loss pass gives it (after its left padding), which the ranks of a group agree on.
+    offers: list[tuple[int, int]] = []
+    offer = engine.offer
+    engine.offer = lambda group, state: (offers.append((group.pad, len(group.tokens))), offer(group, state))
+    with torch.no_grad():
+        offered = generate_shared(fsdp, engine, ids, config(eos), pad, eos, None, torch.device("cpu"), True)
+    engine.offer = offer
+    engine.release()
     mine = {
         "got": got,
         "expected": expected,
         "free": free,
+        "offered": offered,
+        "offers": offers,
         "dtensors": all(isinstance(p, DTensor) for p in fsdp.parameters()),
         "collectives": collectives,
     }
@@ -155,7 +168,7 @@ def generate_in_lockstep(trainer, fsdp, log: list) -> dict:
     return everyone
 
 
-def main(batches_path: str, out_path: str, *model_paths: str) -> None:
+def main(model_path: str, batches_path: str, out_path: str) -> None:
     os.environ.setdefault("ACCELERATE_USE_CPU", "1")
     from accelerate import PartialState
     from datasets import Dataset
@@ -175,70 +188,60 @@ def main(batches_path: str, out_path: str, *model_paths: str) -> None:
     log: list = []
     count_collectives(log)
     mesh = init_device_mesh("cpu", (world,))
-    results: dict = {}
-    for model_path in model_paths:
-        config = trainer_config(
-            tempfile.mkdtemp(), num_generations=8, shard_prompt_state=True, prompt_shard_group_size=GROUP_SIZE
-        )
-        trainer = LongStrawGRPOTrainer(
-            model_path,
-            lambda completions, **kw: [0.0] * len(completions),
-            config,
-            Dataset.from_dict({"prompt": ["a"] * 8}),
-        )
-        assert trainer.accelerator.num_processes == WORLD
-        shards = trainer._prompt_shards
-        assert shards is not None and shards.world == GROUP_SIZE
-        assert dist.get_process_group_ranks(shards.group) == [r for r in range(world) if r // 2 == rank // 2]
-        trainer._prepare_inputs = lambda x: x
-        trainer.current_gradient_accumulation_steps = 1
-        # FSDP2 applied directly: on CPU, accelerate would silently turn an FSDP config into DDP.
-        fsdp = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        add_fused_lm_head(fsdp, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
-        for layer in fsdp.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(fsdp, mesh=mesh)
-        assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
-        # Each model's probe wraps FSDP2's gathers again; the earlier models' probes see their own (idle) layers.
-        gathered, most_gathered = probe_gathers(fsdp)
-        per_family: dict = {"grads": {}, "collectives": {}, "gathered": {}}
-        for name, mode, micro_batches in [("exact", "exact", "GH"), ("detached", "detached", "G")]:
-            start = len(log)
-            fsdp.zero_grad(set_to_none=True)
-            gathered.clear()
-            if mode == "exact":  # as the recipes run FSDP2: recomputed layers are gathered again by FSDP2
-                fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            trainer.args.prompt_gradient = mode
-            for i, key in enumerate(micro_batches):
-                fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
-                batch = batches[key]
-                trainer.training_step(fsdp, rows_of(batch, rank), batch["num_items_in_batch"])
-            fsdp.gradient_checkpointing_disable()
-            assert trainer._engine(fsdp).lockstep, "the engine does not pad the groups' passes"
-            assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
-            grads = {}
-            for pname, p in fsdp.named_parameters():
-                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                grads[pname] = None if g is None else g.detach().clone()
-            per_family["grads"][name] = grads
-            per_family["collectives"][name] = log[start:]
-            per_family["gathered"][name] = most_gathered()
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, (per_family["collectives"], per_family["gathered"]))
-        results[model_path] = {
-            "grads": per_family["grads"],
-            "collectives": [e[0] for e in everyone],
-            "gathered": [e[1] for e in everyone],
-            "layers": len(fsdp.model.layers),
-            "generation": generate_in_lockstep(trainer, fsdp, log),
-        }
+    config = trainer_config(
+        tempfile.mkdtemp(), num_generations=8, shard_prompt_state=True, prompt_shard_group_size=GROUP_SIZE
+    )
+    trainer = LongStrawGRPOTrainer(
+        model_path,
+        lambda completions, **kw: [0.0] * len(completions),
+        config,
+        Dataset.from_dict({"prompt": ["a"] * 8}),
+    )
+    assert trainer.accelerator.num_processes == WORLD
+    shards = trainer._prompt_shards
+    assert shards is not None and shards.world == GROUP_SIZE
+    assert dist.get_process_group_ranks(shards.group) == [r for r in range(world) if r // 2 == rank // 2]
+    trainer._prepare_inputs = lambda x: x
+    trainer.current_gradient_accumulation_steps = 1
+    # FSDP2 applied directly: on CPU, accelerate would silently turn an FSDP config into DDP.
+    fsdp = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    add_fused_lm_head(fsdp, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+    for layer in fsdp.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "FSDP2 is not active"
+    gathered, most_gathered = probe_gathers(fsdp)
+    per_family: dict = {"grads": {}, "collectives": {}, "gathered": {}}
+    for name, mode, micro_batches in [("exact", "exact", "GH"), ("detached", "detached", "G")]:
+        start = len(log)
+        fsdp.zero_grad(set_to_none=True)
+        gathered.clear()
+        if mode == "exact":  # as the recipes run FSDP2: recomputed layers are gathered again by FSDP2
+            fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        trainer.args.prompt_gradient = mode
+        for i, key in enumerate(micro_batches):
+            fsdp.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            batch = batches[key]
+            trainer.training_step(fsdp, rows_of(batch, rank), batch["num_items_in_batch"])
+        fsdp.gradient_checkpointing_disable()
+        assert trainer._engine(fsdp).lockstep, "the engine does not pad the groups' passes"
+        assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
+        grads = {}
+        for pname, p in fsdp.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grads[pname] = None if g is None else g.detach().clone()
+        per_family["grads"][name] = grads
+        per_family["collectives"][name] = log[start:]
+        per_family["gathered"][name] = most_gathered()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (per_family["collectives"], per_family["gathered"]))
+    results = {
+        "grads": per_family["grads"],
+        "collectives": [e[0] for e in everyone],
+        "gathered": [e[1] for e in everyone],
+        "layers": len(fsdp.model.layers),
+        "generation": generate_in_lockstep(trainer, fsdp, log),
+    }
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.torchrun_main import run
-
-    run(main, sys.argv[1:])

@@ -1,8 +1,16 @@
-"""Builders shared by the tests: paired stock/LongStraw trainers and gradient comparison."""
+"""Builders shared by the tests: paired stock/LongStraw trainers, gradient comparison, and the launch of the
+multi-process workers."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -101,3 +109,87 @@ def rebind_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
         self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
     self.recurrent_states[state_idx] = recurrent_states
     return recurrent_states
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Launch:
+    """One `torchrun` launch of test worker cases (see `torchrun`), running in the background until waited for."""
+
+    def __init__(self, what: str, cases: dict[str, tuple[str, list]], tmp: Path, nproc: int, timeout: float):
+        self.what, self.timeout, self.tmp = what, timeout, tmp
+        spec = {"world": nproc, "cases": []}
+        self.outputs: dict[str, Path] = {}
+        for name, (worker, args) in cases.items():
+            self.outputs[name] = tmp / f"{name}.pt"
+            spec["cases"].append({"name": name, "worker": worker, "args": [*map(str, args), str(self.outputs[name])]})
+        (tmp / "cases.json").write_text(json.dumps(spec))
+        env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        command += [str(ROOT / "tests" / "torchrun_main.py"), str(tmp / "cases.json")]
+        # Output to a file, not a pipe that nobody reads while the test process works (a full pipe would block the
+        # workers); a session of its own, so that a hang is ended with the workers, not only the launcher.
+        with open(tmp / "output.log", "w") as log:
+            self.proc = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.deadline = time.monotonic() + timeout
+        self.code: int | None = None
+        self.output: str | None = None
+        self.loaded: dict = {}
+
+    def wait(self) -> None:
+        """Waits for the launch to end, at most until `timeout` seconds after its start; past it (a hang: collectives
+        that did not meet), ends the launcher and its workers (`code` stays None)."""
+        if self.output is not None:
+            return
+        try:
+            self.code = self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._end()
+        self.output = (self.tmp / "output.log").read_text()  # the cases' CPU and wall seconds among it
+
+    def _end(self) -> None:
+        # torchrun starts each worker in a session of its own: SIGTERM makes it end them before it exits.
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> Launch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Ends a launch whose results no test asked for (all deselected, the session interrupted) instead of waiting
+        for it; leaves no worker behind."""
+        if self.proc.poll() is None:
+            self._end()
+
+    def result(self, case: str):
+        """What rank 0 wrote for `case`, once the launch has run to its end cleanly: no rank hung (all finished
+        within the timeout), every rank exited 0, and none printed a traceback."""
+        self.wait()
+        tail = self.output[-6000:]
+        assert self.code is not None, f"{self.what} did not finish in {self.timeout} s (a hang?):\n{tail}"
+        assert self.code == 0, f"{self.what} failed (exit {self.code}):\n{tail}"
+        assert "Traceback" not in self.output, f"{self.what} printed a traceback:\n{tail}"
+        assert self.outputs[case].exists(), f"{self.what}: case {case} wrote no results:\n{tail}"
+        if case not in self.loaded:
+            self.loaded[case] = torch.load(self.outputs[case], weights_only=False)
+        return self.loaded[case]
+
+
+def torchrun(what: str, cases: dict[str, tuple[str, list]], tmp: Path, nproc: int, timeout: float) -> Launch:
+    """Starts the worker cases on `nproc` CPU processes (gloo) in one `torchrun` launch of tests/torchrun_main.py,
+    in the background: the test process can compute its single-process references meanwhile. `Launch.result` waits.
+
+    `cases` maps a case's name to `(worker, arguments)`: the worker's `main(*arguments, results path)` runs it (a
+    worker `"module:function"` runs that function instead; modules of tests/); the path of the case's results file is
+    appended to its arguments. Process start and the import of torch, transformers and TRL are paid once for all the
+    cases. `timeout` (seconds from the start) bounds the whole launch. Use the launch as a context manager (a fixture
+    yields it inside `with`), so that it is ended if no test asks for its results.
+    """
+    return Launch(what, cases, tmp, nproc, timeout)

@@ -1,11 +1,11 @@
 """Worker of tests/test_prompt_passes.py's 2-process test: one prefill per step with the prompt state sharded over 2
 CPU processes (gloo, `shard_prompt_state=True`, one shard group of both).
 
-Launched with `torchrun --nproc_per_node 2 tests/offer_worker.py MODEL_PATH OUT`. Each rank runs `trainer.train()`
-for 2 optimizer steps with TRL's defaults otherwise (`beta=0`, `num_iterations=1`): G = 4 completions per prompt, 2
-on each rank, so both ranks hold the same prompt, one per step: 7 tokens, then 4, padded to a multiple of 8 (left
-padding 1, then 4), so generation places them after their padding. Greedy decoding and a reward that depends on the
-row give every run the same completions and nonzero advantages. Runs, on each rank:
+Launched through `tests.helpers.torchrun` (2 processes), one case per model: `main(MODEL_PATH, OUT)`. Each rank runs
+`trainer.train()` for 2 optimizer steps with TRL's defaults otherwise (`beta=0`, `num_iterations=1`): G = 4 completions
+per prompt, 2 on each rank, so both ranks hold the same prompt, one per step: 7 tokens, then 4, padded to a multiple of
+8 (left padding 1, then 4), so generation places them after their padding. Greedy decoding and a reward that depends on
+the row give every run the same completions and nonzero advantages. Runs, on each rank:
 
 - `detached` and `exact`, with generation's states offered to the loss pass (the default);
 - `exact` with the offer turned off (`_offer_boundaries` returns None): the loss pass prefills the prompt itself,
@@ -19,7 +19,6 @@ Each run records, per optimizer step, how many times the policy's backbone ran e
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
@@ -119,12 +118,3 @@ def main(model_path: str, out_path: str) -> None:
     if dist.get_rank() == 0:
         torch.save(everyone, out_path)
     dist.barrier()
-
-
-if __name__ == "__main__":
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.dirname(here))
-    sys.path.insert(0, here)
-    from tests.torchrun_main import run
-
-    run(main, sys.argv[1:3])

@@ -4,16 +4,16 @@ exact-mode gradients on 2 processes in fp32 and bf16 autocast (tests/cp_worker.p
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from tolerances import BF16_ERROR_FACTOR, SHARDED_ATTN_ATOL_FP64, SHARDED_GRAD_RTOL
 
+from tests.helpers import torchrun
 from trl_longstraw.context_parallel import plan_rounds
+
+FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
+# Seconds for the whole 2-process launch (3 models); it was 680 s per model.
+LAUNCH_TIMEOUT = 1500
 
 
 @pytest.mark.parametrize(
@@ -45,10 +45,18 @@ def test_plan_rounds_cover_the_prefix(n, world):
         assert all(0 < end - start <= 64 for start, end in r)
 
 
+@pytest.fixture(scope="module")
+def launch(tiny_model_path, tmp_path_factory):
+    """tests/cp_worker.py on 2 processes for every model, in one launch."""
+    cases = {family: ("cp_worker", [tiny_model_path(family)]) for family in FAMILIES}
+    with torchrun("the 2-process run", cases, tmp_path_factory.mktemp("cp"), nproc=2, timeout=LAUNCH_TIMEOUT) as run:
+        yield run
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(700)
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
-def test_context_parallel_gradients_fp32_and_bf16(tiny_model_path, tmp_path, family):
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_context_parallel_gradients_fp32_and_bf16(launch, family):
     """Exact-mode gradients of the engine with context-parallel prompt passes on 2 processes (tests/cp_worker.py):
     in fp32 equal to one process's (SHARDED_GRAD_RTOL); under bf16 autocast, each parameter's error against the fp32
     single process at most BF16_ERROR_FACTOR times the bf16 single process's own error. llama and qwen3_5, under
@@ -59,14 +67,7 @@ def test_context_parallel_gradients_fp32_and_bf16(tiny_model_path, tmp_path, fam
     stock (it runs without autograd), in every run; and the round's selection and latent attention alone equal their
     single-process references in fp64 (`dsa_round_errors`: the same key sets, ties included; outputs and gradients
     within SHARDED_ATTN_ATOL_FP64)."""
-    root = Path(__file__).resolve().parent.parent
-    out = tmp_path / "out.pt"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(root / "tests" / "cp_worker.py"), str(tiny_model_path(family)), str(out)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=680)
-    assert result.returncode == 0 and out.exists(), (result.stdout + result.stderr)[-4000:]
-    runs = torch.load(out)
+    runs = launch.result(family)
     reference = runs["single fp32"]
 
     def error(grads: dict, name: str) -> float:
@@ -89,6 +90,12 @@ def test_context_parallel_gradients_fp32_and_bf16(tiny_model_path, tmp_path, fam
         with_reuse, without = runs["counts, reuse"], runs["counts, no reuse"]
         assert 0 < with_reuse["kernel"] < without["kernel"], (with_reuse, without)
         assert 0 < with_reuse["all_to_all"] < without["all_to_all"], (with_reuse, without)
+        # The ranks' attention work in the prompt's rounds is balanced: in each of the 4 full rounds of chunks of 7,
+        # rank 0 attends 3 of rank 1's queries to its chunk and rank 1 the other 4 (21 and 28 pairs per query head,
+        # layer and pass), so rank 1 does 929 pairs against rank 0's 901 (1.031x). With rank 0 attending all 7 (the
+        # key owner alone), it did 1.25x rank 1's.
+        pairs = runs["pairs per rank"]
+        assert max(pairs) <= 1.04 * min(pairs), pairs
     if family == "glm_moe_dsa":
         for rank, errors in enumerate(runs["dsa round errors"]):
             assert any("dprefix" in key for key in errors) and any("ties" in key for key in errors), rank

@@ -1,16 +1,12 @@
 """Data parallelism (DDP, FSDP2) and the sharded prompt state, on 2 CPU processes with gloo.
 
-One `torchrun` launch of `tests/dist_worker.py` runs every scenario (see its docstring); the tests below check its
-results against a single-process run of the same global batch in this process, for a tiny dense model (llama), a
-tiny qwen3_5 (Gated DeltaNet + gated attention) and a tiny glm_moe_dsa (MLA + DSA + MoE).
+One `torchrun` launch of `tests/dist_worker.py` runs every scenario for every model (see its docstring); the tests
+below check its results against a single-process run of the same global batch in this process, for a tiny dense model
+(llama), a tiny qwen3_5 (Gated DeltaNet + gated attention) and a tiny glm_moe_dsa (MLA + DSA + MoE).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,16 +16,16 @@ from dist_worker import BATCH_TOKENS, make_batches, mlp_tokens_counted, trainer_
 from tolerances import ATTN_ATOL_FP32, DIST_GRAD_RTOL, LOGP_ATOL, SHARDED_ATTN_ATOL_FP64, SHARDED_GRAD_RTOL
 from transformers import AutoConfig
 
+from tests.helpers import torchrun
 from trl_longstraw import LongStrawGRPOTrainer
 from trl_longstraw.sharding import shard_group_size
 from trl_longstraw.testing import build_tokenizer, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
-# Seconds for the whole 2-process launch; ~35 s on 2 busy cores.
-LAUNCH_TIMEOUT = 400
+# Seconds for the whole 2-process launch (3 models); it was 400 s per model.
+LAUNCH_TIMEOUT = 1200
 # Scenario of the worker -> its single-process reference.
 EXPECTED = {
     "ddp_exact": "exact",
@@ -56,38 +52,21 @@ def _reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def launch(request, tiny_model_path, tmp_path_factory):
-    """Runs the worker on 2 processes; returns `(family, model path, batches, results, return code, output)`."""
-    family = request.param
-    tmp = tmp_path_factory.mktemp(f"dist-{family}")
-    # At least 3 decoder layers, so that holding 2 (one running, one prefetched) is not holding them all.
-    path = tiny_model_path(family)
-    if AutoConfig.from_pretrained(path).num_hidden_layers < 3:
-        path = save_tiny_model(tmp / "model", family, num_hidden_layers=4)
-    batches = make_batches(len(build_tokenizer()))
-    torch.save(batches, tmp / "batches.pt")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(ROOT / "tests" / "dist_worker.py"), str(path), str(tmp / "batches.pt"), str(tmp / "out.pt")]
-    # A session of its own, so that a hang is ended with the workers, not only the launcher.
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:  # a hang: the collectives did not meet
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the 2-process run did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
-    results = torch.load(tmp / "out.pt") if (tmp / "out.pt").exists() else None
-    return family, path, batches, results, proc.returncode, output
-
-
 @pytest.fixture(scope="module")
-def reference(launch):
+def models(tiny_model_path, tmp_path_factory):
+    """family -> path of a tiny model with at least 3 decoder layers (so that holding 2, one running and one
+    prefetched, is not holding them all)."""
+    paths = {}
+    for family in FAMILIES:
+        path = tiny_model_path(family)
+        if AutoConfig.from_pretrained(path).num_hidden_layers < 3:
+            path = save_tiny_model(tmp_path_factory.mktemp(f"dist-{family}") / "model", family, num_hidden_layers=4)
+        paths[family] = path
+    return paths
+
+
+def single_process_references(path, batches: dict) -> dict:
     """Single-process gradients of the same global batches: `{scenario: {param: grad}}`, and the logps of `S`."""
-    _, path, batches, _, _, _ = launch
     config = trainer_config(str(Path(path) / "out"), num_generations=2)
     trainer = LongStrawGRPOTrainer(str(path), _reward, config, train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}))
     trainer._prepare_inputs = lambda x: x
@@ -129,18 +108,40 @@ def reference(launch):
     return refs
 
 
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory):
+    """Starts the worker on 2 processes, in one launch: every model, then the model-free `kernels` case; computes the
+    single-process references while it runs. Yields `(batches, launch, references by family)`."""
+    tmp = tmp_path_factory.mktemp("dist")
+    batches = make_batches(len(build_tokenizer()))
+    torch.save(batches, tmp / "batches.pt")
+    cases = {family: ("dist_worker", [models[family], tmp / "batches.pt"]) for family in FAMILIES}
+    cases["kernels"] = ("dist_worker:kernels", [])
+    with torchrun("the 2-process run", cases, tmp, nproc=2, timeout=LAUNCH_TIMEOUT) as run:
+        yield batches, run, {family: single_process_references(models[family], batches) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def launch(request, models, runs):
+    """One model's case of the launch: `(family, model path, batches, launch)`."""
+    return request.param, models[request.param], *runs[:2]
+
+
+@pytest.fixture(scope="module")
+def reference(launch, runs):
+    return runs[2][launch[0]]
+
+
 def _results(launch):
-    family, _, _, results, code, output = launch
-    assert code == 0 and results is not None, f"{family}: the 2-process run failed:\n{output[-6000:]}"
-    return results
+    family, _, _, run = launch
+    return run.result(family)
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_clean_exit(launch):
-    """Both ranks finish, destroy the process group and exit 0 (no abort at interpreter teardown)."""
-    results = _results(launch)
-    assert "Traceback" not in launch[5]
-    assert set(SCENARIOS) <= set(results)
+    """Both ranks finish, destroy the process group and exit 0 (no abort at interpreter teardown, no traceback), and
+    the model's case ran every scenario."""
+    assert set(SCENARIOS) <= set(_results(launch))
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
@@ -294,21 +295,21 @@ def test_sharded_boundaries_follow_chunk_owners(launch):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-def test_boundary_broadcast_mixed_dtypes(launch):
+def test_boundary_broadcast_mixed_dtypes(runs):
     """`broadcast_boundary` on a bf16 conv tail and an fp32 state per layer (one buffer per dtype), in a process group
     object: each rank receives the boundary it does not own (2 layers x 2 tensors) bit for bit, as leaves that require
     grad."""
-    results = _results(launch)
+    results = runs[1].result("kernels")
     for rank, (received, problems) in enumerate(results["boundary_broadcast"]):
         assert received == 4 and not problems, f"rank {rank}: received {received} tensors; {problems}"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-def test_sharded_attention_fp64(launch):
+def test_sharded_attention_fp64(runs):
     """`sharded_prefix_attention` equals `prefix_merge_attention` over the whole prefix, and glm_moe_dsa's sharded
     DSA selection and latent attention their unsharded references (the same keys selected, ties included), outputs
     and gradients; each prefix chunk's gradient reaches its owner whole (`sharded_dsa_errors` in the worker)."""
-    results = _results(launch)
+    results = runs[1].result("kernels")
     for rank, errors in enumerate(results["attention_errors"]):
         assert any("dprefix" in key for key in errors), f"rank {rank} owns no chunk"
         assert any("selection" in key for key in errors), f"rank {rank}: no DSA check ran"

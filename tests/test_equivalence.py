@@ -291,3 +291,42 @@ def test_reverse_pass_without_checkpointing_matches(tiny_model_path, family):
 def _counted(forward, calls: list, tag, *args, **kwargs):
     calls.append(tag)
     return forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_reverse_pass_takes_prefill_attention(tiny_model_path, family, monkeypatch):
+    """Exact mode with `prefill_attention_reuse=True`: the prefill keeps each attention layer's output and the
+    reverse pass's forward takes it instead of attending again. With gradient checkpointing on (the reverse pass
+    checkpointed or not) and off, the loss and every gradient are bitwise those of the default (attending again),
+    with fewer fused attention forwards; the kept outputs are all consumed."""
+    from trl_longstraw import attention
+    from trl_longstraw.engine import Engine
+
+    path = tiny_model_path(family)
+    calls, left = [], []
+    forward = attention._kernel_forward
+    monkeypatch.setattr(attention, "_kernel_forward", lambda *a: calls.append(1) or forward(*a))
+    reverse = Engine.reverse
+    monkeypatch.setattr(
+        Engine, "reverse", lambda self, g, state: (reverse(self, g, state), left.append(state.attention))[0]
+    )
+    mb = micro_batch(seed=3)
+    for settings in (
+        dict(gradient_checkpointing=True),
+        dict(gradient_checkpointing=True, reverse_checkpointing=False),
+        dict(gradient_checkpointing=False),
+    ):
+        results, counts = [], []
+        for carry in (False, True):
+            ours = make_trainer(path, prefill_chunk_size=CHUNK, prefill_progress=False, **settings)
+            ours.args.prefill_attention_reuse = carry
+            calls.clear()
+            results.append(run_steps(ours, [mb]))
+            counts.append(len(calls))
+        assert left and not any(left)  # every kept output was taken or dropped by the reverse pass
+        left.clear()
+        (ref_losses, ref_grads), (losses, grads) = results
+        assert counts[1] < counts[0], settings
+        assert losses == ref_losses, settings
+        assert grads.keys() == ref_grads.keys()
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), settings

@@ -5,12 +5,7 @@ of the same global batch: stock `GRPOTrainer` in exact mode, the single-process 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +19,7 @@ from tolerances import SHARDED_GRAD_RTOL
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
+from tests.helpers import torchrun
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.expert_parallel import (
     check_args,
@@ -36,11 +32,9 @@ from trl_longstraw.expert_parallel import (
 )
 from trl_longstraw.testing import build_tokenizer, save_tiny_model, tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
-# Seconds for the whole 2-process launch; ~30 s on 2 busy cores.
-LAUNCH_TIMEOUT = 300
-# The generation worker (tests/ep_generate_worker.py): ~80 s on 2 busy cores, 5 min under a load average of 30.
-GENERATE_TIMEOUT = 600
+# Seconds for the one 2-process launch of both workers for both families (it was 300 s per family for
+# tests/ep_worker.py and 600 s for tests/ep_generate_worker.py, which took 5 min under a load average of 30).
+LAUNCH_TIMEOUT = 1800
 RUNS = ["ep_exact", "ep_exact_checkpointing", "ep_detached", "ep_lora_exact", "ep_dp_exact", "ep_dp_detached"]
 FAMILIES = ["glm_moe_dsa", "qwen3_moe"]
 # Run with FSDP2's CPU offload -> the same run without it.
@@ -57,41 +51,19 @@ def _reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def launch(request, tiny_model_path, tmp_path_factory):
-    """Runs tests/ep_worker.py on 2 processes; returns `(model path, batches, results)`."""
-    tmp = tmp_path_factory.mktemp(f"ep-{request.param}")
-    if request.param == "qwen3_moe":
-        path = save_tiny_model(tmp / "model", "qwen3_moe", **QWEN3_MOE_TINY)
-    else:
-        path = tiny_model_path(request.param)
-    batches = make_batches(len(build_tokenizer()))
-    torch.save(batches, tmp / "batches.pt")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(ROOT / "tests" / "ep_worker.py"), str(path), str(tmp / "batches.pt"), str(tmp / "out.pt")]
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:  # a hang: the collectives did not meet
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the 2-process run did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
-    results = torch.load(tmp / "out.pt") if (tmp / "out.pt").exists() else None
-    assert proc.returncode == 0 and results is not None, f"the 2-process run failed:\n{output[-6000:]}"
-    return path, batches, results
+@pytest.fixture(scope="module")
+def models(tiny_model_path, tmp_path_factory):
+    """family -> path of its tiny model (4 experts per MoE layer)."""
+    qwen3_moe = save_tiny_model(tmp_path_factory.mktemp("ep-qwen3_moe") / "model", "qwen3_moe", **QWEN3_MOE_TINY)
+    return {"glm_moe_dsa": tiny_model_path("glm_moe_dsa"), "qwen3_moe": qwen3_moe}
 
 
 def _stock_batch(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k != "rank"}
 
 
-@pytest.fixture(scope="module")
-def reference(launch):
+def single_process_references(path, batches: dict) -> dict:
     """Single-process gradients of the same global micro-batches: `{run: {param: grad or None}}`."""
-    path, batches, _ = launch
     settings = dict(
         per_device_train_batch_size=4,
         max_completion_length=9,
@@ -131,6 +103,37 @@ def reference(launch):
     refs["ep_detached"] = grads(ours)
     refs["ep_dp_detached"] = grads(ours, key="B")
     return refs
+
+
+@pytest.fixture(scope="module")
+def ep_launch(models, tmp_path_factory):
+    """Starts one launch on 2 processes: tests/ep_worker.py (cases `train-FAMILY`) and tests/ep_generate_worker.py
+    (cases `generate-FAMILY`) for every family; computes the single-process references while it runs. Yields
+    `(batches, launch, references by family)`."""
+    tmp = tmp_path_factory.mktemp("ep")
+    batches = make_batches(len(build_tokenizer()))
+    torch.save(batches, tmp / "batches.pt")
+    cases = {f"train-{family}": ("ep_worker", [models[family], tmp / "batches.pt"]) for family in FAMILIES}
+    cases |= {f"generate-{family}": ("ep_generate_worker", [models[family]]) for family in FAMILIES}
+    with torchrun("the 2-process run", cases, tmp, nproc=2, timeout=LAUNCH_TIMEOUT) as run:
+        yield batches, run, {family: single_process_references(models[family], batches) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def launch(family, models, ep_launch):
+    """tests/ep_worker.py's case for one family: `(model path, batches, results)`."""
+    batches, run, _ = ep_launch
+    return models[family], batches, run.result(f"train-{family}")
+
+
+@pytest.fixture(scope="module")
+def reference(family, ep_launch):
+    return ep_launch[2][family]
 
 
 @pytest.mark.slow
@@ -356,33 +359,14 @@ def test_model_init_kwargs_for_trl(tiny_model_path):
 
 
 # ------------------------------------------------------------------------------------------- generation under EP
-@pytest.fixture(scope="module", params=FAMILIES)
-def generate_launch(request, tiny_model_path, tmp_path_factory):
-    """Runs tests/ep_generate_worker.py on 2 processes; returns every rank's results."""
-    tmp = tmp_path_factory.mktemp(f"ep-generate-{request.param}")
-    if request.param == "qwen3_moe":
-        path = save_tiny_model(tmp / "model", "qwen3_moe", **QWEN3_MOE_TINY)
-    else:
-        path = tiny_model_path(request.param)
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(ROOT / "tests" / "ep_generate_worker.py"), str(path), str(tmp / "out.pt")]
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=GENERATE_TIMEOUT)
-    except subprocess.TimeoutExpired:  # a hang: a rank decoded a step the other did not
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the 2-process generation did not finish in {GENERATE_TIMEOUT} s:\n{output[-4000:]}")
-    out = tmp / "out.pt"
-    assert proc.returncode == 0 and out.exists(), f"the 2-process generation failed:\n{output[-6000:]}"
-    return torch.load(out, weights_only=False)
+@pytest.fixture(scope="module")
+def generate_launch(family, ep_launch):
+    """tests/ep_generate_worker.py's case for one family: every rank's results."""
+    return ep_launch[1].result(f"generate-{family}")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(GENERATE_TIMEOUT + 60)
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("mode", ["sharded", "data_parallel"])
 def test_expert_parallel_generation_equals_generate(generate_launch, mode):
     """Under expert parallelism (every decoding forward runs the experts' all-to-alls over both ranks), the trainer's
@@ -407,7 +391,7 @@ def test_expert_parallel_generation_equals_generate(generate_launch, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(GENERATE_TIMEOUT + 60)
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_expert_parallel_train_step_generates_once_per_prompt(generate_launch):
     """A whole `train()` step under expert parallelism (beta = 0, num_iterations = 1) generates through the shared-
     prompt path: each prompt position is embedded once in generation (stock: once per completion), summed over the

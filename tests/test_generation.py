@@ -1,9 +1,5 @@
 """Shared-prompt generation: one prefill per distinct prompt; greedy equals stock, sampling is stock's sampler."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,11 +9,16 @@ from peft import LoraConfig
 from tolerances import LOGP_ATOL
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from tests.helpers import torchrun
 from trl_longstraw.engine import PromptGroup
 from trl_longstraw.generation import generation_config_for_decoder, shared_prompt_decoder
 from trl_longstraw.testing import save_tiny_model
 
 GREEDY = {"do_sample": False}
+# The 2-process decoding test (tests/decode_worker.py): its families, and seconds for their one launch (it was 360 s
+# per family).
+DECODE_FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
+DECODE_TIMEOUT = 900
 
 
 def tokenize(trainer, prompts):
@@ -326,23 +327,25 @@ def test_generation_path_on_two_processes(tiny_model_path, monkeypatch, fsdp, sh
     assert not warnings
 
 
+@pytest.fixture(scope="module")
+def decode_launch(tiny_model_path, tmp_path_factory):
+    """tests/decode_worker.py on 2 processes for every decoding family, in one launch."""
+    cases = {family: ("decode_worker", [tiny_model_path(family)]) for family in DECODE_FAMILIES}
+    tmp = tmp_path_factory.mktemp("decode")
+    with torchrun("the 2-process decoding", cases, tmp, nproc=2, timeout=DECODE_TIMEOUT) as run:
+        yield run
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
-def test_decoding_against_a_sharded_prompt_state(tiny_model_path, tmp_path, family):
+@pytest.mark.timeout(DECODE_TIMEOUT + 60)
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
+def test_decoding_against_a_sharded_prompt_state(decode_launch, family):
     """2 processes (gloo), `shard_prompt_state=True`: each rank holds half of every prompt's attention records and
     decodes its own rows of the same prompts (tests/decode_worker.py). Greedy completions equal `generate`'s, on DDP
     and on FSDP2 (synced_gpus), and on FSDP2 without a sharded state (other prompts per rank, in lockstep); sampled
     rows follow `_sample` step by step on each rank's rows and seed; the prompt states are never written."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    out = tmp_path / "out.pt"
-    command += [str(root / "tests" / "decode_worker.py"), str(tiny_model_path(family)), str(out)]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=360)
-    assert run.returncode == 0 and out.exists(), run.stdout[-4000:] + run.stderr[-4000:]
     lockstep = False
-    for rank, result in enumerate(torch.load(out, weights_only=False)):
+    for rank, result in enumerate(decode_launch.result(family)):
         got, expected = result["greedy"]
         assert got == expected, f"rank {rank}"
         assert result["fsdp2_greedy"] == expected, f"rank {rank}: FSDP2 (synced_gpus, per-layer gathers)"

@@ -8,11 +8,6 @@ one prompt. A prompt shorter than the longest of its generation batch is left-pa
 padded row). Stock runs every prompt G times in each of the four passes.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from grpo_pair import assert_grads_close, make_pair, position_reward
@@ -20,9 +15,14 @@ from peft import LoraConfig
 from tolerances import SHARDED_GRAD_RTOL
 from transformers import TrainerCallback, set_seed
 
+from tests.helpers import torchrun
+
 # Seven tokens each, no token shared: positions 0..5 (prompt[:-1]) of each prompt are counted.
 PROMPTS = ["a b c d e f g", "h i j k l m n"]
 G = 3
+# Seconds for the one launch of the 2-process test, tests/offer_worker.py, over every decoding family (it was 560 s
+# per family).
+OFFER_TIMEOUT = 1200
 
 
 class PositionCounter:
@@ -206,23 +206,25 @@ def test_one_prefill_per_step_with_left_padded_prompts(tiny_model_path, family, 
     assert run(ours, separate_ref=False, prompts=prompts) == [{"policy": [once, once]}] * 2
 
 
+@pytest.fixture(scope="module")
+def offer_launch(tiny_model_path, tmp_path_factory):
+    """tests/offer_worker.py on 2 processes for every decoding family, in one launch."""
+    cases = {family: ("offer_worker", [tiny_model_path(family)]) for family in DECODING_FAMILIES}
+    tmp = tmp_path_factory.mktemp("offer")
+    with torchrun("the 2-process run", cases, tmp, nproc=2, timeout=OFFER_TIMEOUT) as run:
+        yield run
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(OFFER_TIMEOUT + 60)
 @pytest.mark.parametrize("family", DECODING_FAMILIES)
-def test_one_prefill_per_step_with_a_sharded_prompt_state(tiny_model_path, tmp_path, family):
+def test_one_prefill_per_step_with_a_sharded_prompt_state(offer_launch, family):
     """2 processes (gloo), `shard_prompt_state=True` (tests/offer_worker.py): `train()` with TRL's defaults, one
     prompt per step, left-padded. The ranks offer and take generation's sharded state together, so the policy runs
     each prompt position once per step in detached mode and twice in exact mode: on each rank when the passes are
     replicated, once over the group under context parallelism (each rank runs its own chunks). The gradients equal
     those of the loss pass that prefills the prompt itself (the offer turned off)."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    out = tmp_path / "out.pt"
-    command += [str(root / "tests" / "offer_worker.py"), str(tiny_model_path(family)), str(out)]
-    run_ = subprocess.run(command, env=env, capture_output=True, text=True, timeout=560)
-    assert run_.returncode == 0 and out.exists(), run_.stdout[-4000:] + run_.stderr[-4000:]
-    ranks = torch.load(out, weights_only=False)
+    ranks = offer_launch.result(family)
     assert len(ranks) == 2
     for name, once in (("detached", 1), ("exact", 2), ("exact_no_offer", 3)):
         runs = [rank[name] for rank in ranks]

@@ -11,10 +11,6 @@ the completions against transformers' `generate`.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,12 +21,12 @@ from group_worker import GEN_MAX_NEW_TOKENS, GEN_ROWS, GROUP_SIZE, WORLD, make_g
 from tolerances import SHARDED_GRAD_RTOL
 from transformers import AutoConfig
 
+from tests.helpers import torchrun
 from trl_longstraw import LongStrawGRPOTrainer
 from trl_longstraw.testing import build_tokenizer, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
 # Seconds for the whole 4-process launch (3 models): 480 s on 2 cores under a load average of 20-28.
 LAUNCH_TIMEOUT = 900
@@ -50,50 +46,8 @@ def models(tiny_model_path, tmp_path_factory):
     return paths
 
 
-@pytest.fixture(scope="module")
-def launch(models, tmp_path_factory):
-    """Runs the worker on 4 processes for every model; returns `(batches, results by family, return code, output)`."""
-    tmp = tmp_path_factory.mktemp("groups")
-    batches = make_group_batches(len(build_tokenizer()))
-    torch.save(batches, tmp / "batches.pt")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD)]
-    command += [str(ROOT / "tests" / "group_worker.py"), str(tmp / "batches.pt"), str(tmp / "out.pt")]
-    command += [str(models[family]) for family in FAMILIES]
-    # A session of its own, so that a hang is ended with the workers, not only the launcher.
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:  # a hang: the collectives did not meet
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the 4-process run did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
-    results = None
-    if (tmp / "out.pt").exists():
-        by_path = torch.load(tmp / "out.pt")
-        results = {family: by_path[str(models[family])] for family in FAMILIES}
-    return batches, results, proc.returncode, output
-
-
-def _results(launch) -> dict:
-    _, results, code, output = launch
-    assert code == 0 and results is not None, f"the 4-process run failed:\n{output[-6000:]}"
-    assert "Traceback" not in output
-    return results
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def reference(models, launch, family):
+def single_process_gradients(path, batches: dict) -> dict:
     """Single-process gradients of the same global batches: `{"exact": ..., "detached": ...}`."""
-    batches = launch[0]
-    path = models[family]
     config = trainer_config(str(Path(path) / "out-groups"), num_generations=2)
     trainer = LongStrawGRPOTrainer(
         str(path), lambda completions, **kw: [0.0] * len(completions), config, Dataset.from_dict({"prompt": ["a"] * 8})
@@ -116,13 +70,35 @@ def reference(models, launch, family):
     return {"exact": grads("GH", "exact", True), "detached": grads("G", "detached", False)}
 
 
+@pytest.fixture(scope="module")
+def launch(models, tmp_path_factory):
+    """Starts the worker on 4 processes for every model, in one launch, and computes the single-process references
+    while it runs; yields `(launch, references by family)`."""
+    tmp = tmp_path_factory.mktemp("groups")
+    batches = make_group_batches(len(build_tokenizer()))
+    torch.save(batches, tmp / "batches.pt")
+    cases = {family: ("group_worker", [models[family], tmp / "batches.pt"]) for family in FAMILIES}
+    with torchrun("the 4-process run", cases, tmp, nproc=WORLD, timeout=LAUNCH_TIMEOUT) as run:
+        yield run, {family: single_process_gradients(models[family], batches) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(launch, family):
+    return launch[1][family]
+
+
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 180)
 @pytest.mark.parametrize("scenario", ["exact", "detached"])
 def test_gradients_match_single_process(launch, reference, family, scenario):
     """With 2 shard groups of 2 ranks under FSDP2 over 4 (gradient accumulation in exact mode), every parameter's
     gradient equals the single-process one of the same global batch; no rank hangs although the groups hold different
     numbers of prompts, chunks and completions."""
-    got = _results(launch)[family]["grads"][scenario]
+    got = launch[0].result(family)["grads"][scenario]
     expected = reference[scenario]
     assert set(got) == set(expected)
     assert any(ref is not None for ref in expected.values())
@@ -141,7 +117,7 @@ def test_fsdp2_gathers_layer_by_layer(launch, family, scenario):
     """Parameters stay DTensors (asserted in the worker) and, whenever FSDP2 gathers a parameter group on any rank, at
     most 2 of the 3 or 4 decoder layers (the running one and one prefetched) are gathered or being gathered, and at
     most 2 hold unsharded parameters: the whole model is never gathered."""
-    results = _results(launch)[family]
+    results = launch[0].result(family)
     assert results["layers"] >= 3
     for rank, per_rank in enumerate(results["gathered"]):
         probes, held, unsharded = per_rank[scenario]
@@ -155,7 +131,7 @@ def test_collectives_meet(launch, family, scenario):
     """Every rank of the world issues the same FSDP2 collectives (shapes and order); the ranks of each shard group
     issue the same collectives altogether, their sharded attention's among them (the fillers that pad a group to
     the other's passes add none)."""
-    per_rank = _results(launch)[family]["collectives"]
+    per_rank = launch[0].result(family)["collectives"]
     assert len(per_rank) == WORLD
     world_level = [[c for c in log[scenario] if c[0] in FSDP2_COLLECTIVES] for log in per_rank]
     assert all(log == world_level[0] for log in world_level)
@@ -175,13 +151,17 @@ def test_generation_in_world_lockstep(launch, family):
     and 7 tokens, left-padded; group 1 one of 22; chunks of 5) with rows ending at different steps: rank 0's after 1
     token while rank 1 steps on in their branch rounds, group 0's within 3 while group 1's run to the maximum (group 0
     runs filler steps), and group 1 has no second prompt (filler prefills and steps). Parameters stay DTensors, and
-    every rank issues the same FSDP2 collectives."""
-    per_rank = _results(launch)[family]["generation"]
+    every rank issues the same FSDP2 collectives. Offering the states to an exact-mode loss pass as in training
+    (prefilled with chunk boundaries after each prompt's left padding in the batch) gives the same completions."""
+    per_rank = launch[0].result(family)["generation"]
     assert len(per_rank) == WORLD
     for rank, result in enumerate(per_rank):
         assert result["got"] == result["expected"], f"rank {rank}: completions differ from generate's"
         assert result["dtensors"], f"rank {rank}: parameters left unsharded"
         assert len(result["got"]) == len(GEN_ROWS[rank])
+        assert result["offered"] == result["expected"], f"rank {rank}: completions with offers differ"
+    # (left padding, length) of each offered prompt: group 0 pads its 7-token prompt to the 13 of the other.
+    assert [result["offers"] for result in per_rank] == [[(6, 7), (0, 13)]] * 2 + [[(0, 22)]] * 2
     lengths = [[len(c) for c in result["got"]] for result in per_rank]
     # The schedule the docstring describes (EOS tokens chosen by the worker's `rank_eos`).
     assert lengths[0] == [1, 1, 1]

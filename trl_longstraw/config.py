@@ -56,6 +56,14 @@ class LongStrawGRPOConfig(GRPOConfig):
             a sharded prompt state, exchanging) again. Bitwise the same gradients; costs one attention output and
             log-sum-exp per attention layer and chunk token (0.76 GiB per GPU for Qwen3.6-27B at chunks of 4096,
             `trl_longstraw.plan`). `False`: attend again, for the memory.
+        prefill_attention_reuse (`bool`, *optional*, defaults to `False`):
+            Exact mode, prompt state not sharded: the prefill keeps each attention layer's output and log-sum-exp for
+            every prompt token, and the reverse pass's forward of each chunk takes them instead of attending again
+            (the same chunk from the same records). Same gradients; saves one attention forward over the prompt
+            (about a fifth of the tiny qwen3_5 exact step at 32K, benchmarks/LIMIT.md) and holds one attention output
+            per attention layer and prompt token from the prefill until the reverse pass reaches its chunk (3 times
+            the keys and values on Qwen3.6-27B, counted by `trl_longstraw.plan`). Models whose attention does not go
+            through the KV path (`glm_moe_dsa`) keep nothing.
         expert_parallel_size (`int`, *optional*, defaults to `1`):
             MoE models (`glm_moe_dsa`, `qwen3_moe`): spread each MoE layer's experts over groups of this many ranks
             through transformers' expert parallelism (`DistributedConfig(ep_size=...)`, the model's
@@ -159,6 +167,14 @@ class LongStrawGRPOConfig(GRPOConfig):
             "attention output per layer and chunk token. False: less memory."
         },
     )
+    prefill_attention_reuse: bool = field(
+        default=False,
+        metadata={
+            "help": "Exact mode, unsharded prompt state: keep each attention layer's output from the prefill for the "
+            "reverse pass, which then does not attend again in its forward. Same gradients, faster; costs one "
+            "attention output per attention layer and prompt token until the reverse pass."
+        },
+    )
     expert_parallel_size: int = field(
         default=1,
         metadata={
@@ -202,6 +218,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise ValueError(
                 "offload_boundary_states=True only applies to prompt_gradient='exact' (detached mode keeps no chunk "
                 "boundaries): set offload_boundary_states=False."
+            )
+        if self.prefill_attention_reuse and (self.prompt_gradient != "exact" or self.shard_prompt_state):
+            raise ValueError(
+                "prefill_attention_reuse=True keeps attention outputs for the exact-mode reverse pass of an unsharded "
+                "prompt state: use prompt_gradient='exact' without shard_prompt_state, or set "
+                "prefill_attention_reuse=False."
             )
         if not isinstance(self.prompt_shard_group_size, int) or self.prompt_shard_group_size < 0:
             raise ValueError(

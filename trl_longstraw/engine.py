@@ -64,16 +64,27 @@ class PromptState:
     recurrent: set[int] = field(default_factory=set)
     # Exact mode with `offload_boundary_states`: the superseded boundaries, in host memory.
     host: HostBoundaries | None = None
+    # Exact mode with `prefill_attention_reuse`: `(layer, chunk)` -> what the prefill's fused attention of that chunk
+    # returned (`attention.prefix_merge_attention`'s `reuse`: output `[1, Hq, n, Dv]`, fp32 log-sum-exp `[1, Hq, n]`,
+    # kernel extras), taken by the reverse pass's forward of the chunk instead of attending again.
+    attention: dict[tuple[int, int], dict] = field(default_factory=dict)
 
     def tensors(self) -> Iterator[torch.Tensor]:
+        """The records' tensors (the ones that receive gradient in exact mode)."""
         for chunks in self.records.values():
             for record in chunks:
                 if record is not None:
                     yield from record
 
+    def kept_attention_bytes(self) -> int:
+        """Bytes of the attention outputs and log-sum-exps kept for the reverse pass (`attention`)."""
+        return sum(
+            t.numel() * t.element_size() for kept in self.attention.values() for t in (kept["out"], kept["lse"])
+        )
+
     def nbytes(self) -> int:
-        """Bytes held by the records (not counting gradients)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        """Bytes held by the records and the kept attention outputs (not counting gradients)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors()) + self.kept_attention_bytes()
 
     def requires_grad_(self) -> None:
         """Makes every record a leaf that accumulates the gradient of the branches (exact mode)."""
@@ -102,14 +113,30 @@ class Pass:
         # `reuse`); None elsewhere. `filling` is True during the forward, False during the backward's recompute.
         self.reuse: dict[int, dict] | None = None
         self.filling = False
+        # `prefill_attention_reuse` (exact mode, one process): in the prefill, layer -> the slot its attention fills
+        # (`PromptState.attention`); in a reverse chunk's forward, layer -> what the prefill's attention of that
+        # chunk returned, taken once instead of attending again. None elsewhere.
+        self.carried: dict[int, dict] | None = None
 
     def attention_reuse(self, layer_idx: int) -> dict | None:
-        """The `reuse` slot of this layer's prompt attention: filled by a forward (while `filling`), emptied by
-        gradient checkpointing's recompute during the backward."""
+        """The `reuse` slot of this layer's prompt attention (`attention.prefix_merge_attention`).
+
+        Prefill with `carried`: an empty slot that the attention fills and the state keeps for the reverse pass.
+        Reverse pass: the output the prefill kept for this chunk, if any, for its forward (the same inputs give the
+        same output: the prefill ran the same chunk from the same records); under gradient checkpointing it also
+        fills the slot that the checkpoint's recompute takes. Otherwise, under gradient checkpointing, a slot filled
+        by the forward (while `filling`) and emptied by the recompute during the backward.
+        """
+        if self.carried is not None and self.append:
+            return self.carried.setdefault(layer_idx, {})
+        kept = self.carried.pop(layer_idx, None) if self.carried is not None else None
         if self.reuse is None:
-            return None
+            return dict(kept) if kept else None
         slot = self.reuse.setdefault(layer_idx, {})
         if self.filling:  # the forward fills an empty slot
+            if kept:
+                slot.update(kept)
+                return dict(kept)
             return None if slot else slot
         return slot or None  # the recompute takes a filled one
 
@@ -368,6 +395,10 @@ class Engine:
         attention_reuse: under gradient checkpointing, the reverse pass's recompute takes each attention layer's
             output kept by its forward instead of attending again (`Pass.attention_reuse`; same gradients, one
             attention output per layer and chunk token of memory).
+        prefill_attention: exact mode, unsharded: the prefill keeps each attention layer's output and log-sum-exp
+            (`PromptState.attention`) and the reverse pass's forward of each chunk takes them instead of attending
+            again (same gradients; one attention output per layer and prompt token of memory until the reverse pass
+            reaches the chunk).
     """
 
     def __init__(
@@ -382,8 +413,12 @@ class Engine:
         offload_boundaries: bool = False,
         checkpoint_reverse: bool = True,
         attention_reuse: bool = True,
+        prefill_attention: bool = False,
     ):
+        if prefill_attention and shards is not None:
+            raise ValueError("prefill_attention applies to an unsharded prompt state: shards must be None")
         self.model = model
+        self.prefill_attention = prefill_attention
         self.checkpoint_reverse = checkpoint_reverse
         self.offload_boundaries = offload_boundaries
         self.attention_reuse = attention_reuse
@@ -532,12 +567,17 @@ class Engine:
             for bounds in passes:
                 start, end, cp = self._declare(state.num_chunks, bounds)
                 p = Pass(state, visible=state.num_chunks, append=True, shard=self.shards, cp=cp)
+                if boundaries and self.prefill_attention:
+                    p.carried = {}
                 with use_pass(p), self.autocast():
                     self._backbone()(
                         input_ids=prefix[None, start:end],
                         position_ids=self._positions(group.pad + start, end - start, prefix.device),
                         use_cache=False,
                     )
+                for layer, kept in (p.carried or {}).items():
+                    if kept:  # the fused kernels' path fills it; the portable one attends again in the reverse pass
+                        state.attention[layer, state.num_chunks] = kept
                 for first, last in bounds:
                     state.num_chunks += 1
                     state.chunk_lengths.append(last - first)
@@ -608,12 +648,17 @@ class Engine:
                     # The pass starts from the recurrent records of chunk c - 1, which only their owner kept.
                     self.shards.broadcast_boundary(state, c - 1, like=last)
                 own = {layer: records[c] for layer, records in state.records.items() if records[c] is not None}
+                # The prefill's attention outputs of this chunk (`prefill_attention`), dropped if it is skipped.
+                carried = {
+                    layer: state.attention.pop((layer, chunk)) for layer, chunk in list(state.attention) if chunk == c
+                }
                 # Sharded: every rank runs every pass, as the attention over the prompt is collective.
                 if self.shards is not None or any(t.grad is not None for record in own.values() for t in record):
                     ran += 1
                     start, end, cp = self._declare(c, bounds)
                     p = Pass(state, visible=c, shard=self.shards, cp=cp)
                     p.sink = {}
+                    p.carried = carried or None
                     checkpointed = (
                         self._backbone().is_gradient_checkpointing and self.checkpoint_reverse and self.attention_reuse
                     )

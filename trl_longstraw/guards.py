@@ -125,6 +125,7 @@ def runtime_budget(
         offload_boundary_states=bool(getattr(args, "offload_boundary_states", False)),
         reverse_checkpointing=bool(getattr(args, "reverse_checkpointing", True)),
         attention_reuse=bool(getattr(args, "reverse_attention_reuse", True)),
+        prefill_attention_reuse=bool(getattr(args, "prefill_attention_reuse", False)),
     )
     return estimate(stats, setup)
 

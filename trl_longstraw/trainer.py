@@ -293,6 +293,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 offload_boundaries=self.args.offload_boundary_states,
                 checkpoint_reverse=self.args.reverse_checkpointing,
                 attention_reuse=self.args.reverse_attention_reuse,
+                prefill_attention=self.args.prefill_attention_reuse,
             )
             engine.hold_budget = self._hold_budget
             self._engines[id(causal_lm)] = engine
