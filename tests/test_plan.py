@@ -335,17 +335,21 @@ def test_context_parallel_round_exchange_is_counted(preset_stats):
 
 
 def test_context_parallel_exchange_is_counted(preset_stats):
-    """A context-parallel round (Qwen3.6-27B: 24 query heads of 256, at W = 8 and chunks of 4096 in bf16) exchanges,
-    for one attention layer at a time, the W * chunk queries and fp32 partial outputs of the round: forward 2.8 GB,
-    backward (exact mode's reverse pass) 4.4 GB, counted in the chunk activations; an unsharded state has none, nor
-    has a DeltaNet head count that the group does not divide (replicated passes). GLM-5.2's rounds exchange MLA rows
-    instead (`round_row_elems`, tested with its own term)."""
+    """A context-parallel round (Qwen3.6-27B: 24 query heads and 4 key-value heads of 256, at W = 8 and chunks of 4096
+    in bf16) exchanges, for one attention layer at a time, the W * chunk queries, keys and values and fp32 partial
+    outputs of the round: forward 3.0 GB, backward (exact mode's reverse pass, with the earlier chunks' key and value
+    gradients) 5.2 GB, counted in the chunk activations; an unsharded state has none, nor has a DeltaNet head count
+    that the group does not divide (replicated passes). GLM-5.2's rounds exchange MLA rows instead (`round_row_elems`,
+    tested with its own term)."""
     _, stats = preset_stats["qwen3.6-27b"]
     assert stats.context_parallel_heads == 16 and preset_stats["glm-5.2"][1].context_parallel_heads == -1
-    tokens, q, heads = 8 * 4096, 24 * 256, 24
-    forward = tokens * (q * 2 + 3 * (q + heads) * 4)  # gathered bf16 queries; fp32 parts computed, packed, received
-    backward = tokens * ((3 * q + heads) * 4 + q * 2 + 2 * q * 4)  # gathered q | dout | out | lse, q cast, dq shares
-    assert (round(forward / 1e9, 1), round(backward / 1e9, 1)) == (2.8, 4.4)
+    assert stats.round_kv_elems == 2 * 4 * 256 and preset_stats["glm-5.2"][1].round_kv_elems == 0
+    tokens, q, heads, kv = 8 * 4096, 24 * 256, 24, 2 * 4 * 256
+    # Gathered bf16 queries, keys and values; fp32 parts computed, packed, received.
+    forward = tokens * ((q + kv) * 2 + 3 * (q + heads) * 4)
+    # Gathered q | dout | out | lse | k | v in fp32, q cast, dq shares and key-value gradients computed and exchanged.
+    backward = tokens * ((3 * q + heads + kv) * 4 + q * 2 + 2 * (q + kv) * 4)
+    assert (round(forward / 1e9, 1), round(backward / 1e9, 1)) == (3.0, 5.2)
     setup = Setup(positions=500_000, gpus=8, shard_prompt_state=True, prefill_chunk_size=4096)
 
     def chunk(stats=stats, **changes):

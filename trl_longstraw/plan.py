@@ -283,6 +283,13 @@ def kept_attention(config) -> tuple[int, int]:
     return layers * query_exchange(config)[1], layers * config.num_attention_heads
 
 
+def key_value_width(config) -> int:
+    """Key (or value) elements per token of one attention layer: all key-value heads (`head_dim` wide)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+
+
 def context_parallel_heads(config) -> int:
     """Whether the prompt passes of a sharded state are context-parallel rounds exchanging queries and partial
     outputs (`sharding._ShardedPrefixAttention`, `context_parallel_exchange`): 0 for every shard group size
@@ -299,18 +306,20 @@ def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute
     """Transient bytes of one attention layer's exchange in a context-parallel round of `world` chunks of `chunk`
     tokens (`sharding._ShardedPrefixAttention`), on each rank.
 
-    Forward: every rank's queries gathered (compute dtype), and the fp32 partial outputs and log-sum-exps of them
-    against this rank's chunks (computed, packed, received: three copies). Backward (`autograd`, the exact-mode
-    reverse pass; its forward's buffers are freed by then): every rank's queries, output gradients, outputs and
-    log-sum-exps gathered in fp32, the queries cast back, and the fp32 query-gradient shares (computed, exchanged).
+    Forward: every rank's queries, keys and values gathered (compute dtype), and the fp32 partial outputs and
+    log-sum-exps of the queries against this rank's chunks (computed, packed, received: three copies). Backward
+    (`autograd`, the exact-mode reverse pass; its forward's buffers are freed by then): every rank's queries, output
+    gradients, outputs, log-sum-exps, keys and values gathered in fp32, the queries cast back, and the fp32
+    query-gradient shares with the earlier chunks' key and value gradients (computed, exchanged).
     """
     queries, outputs = stats.query_exchange
-    heads = stats.attention_heads
+    heads, kv = stats.attention_heads, stats.round_kv_elems
     tokens = world * chunk
-    forward = tokens * (queries * compute_bytes + 3 * (outputs + heads) * 4)
+    forward = tokens * ((queries + kv) * compute_bytes + 3 * (outputs + heads) * 4)
     if not autograd:
         return forward
-    backward = tokens * ((queries + 2 * outputs + heads) * 4 + queries * compute_bytes + 2 * queries * 4)
+    gathered = (queries + 2 * outputs + heads + kv) * 4 + queries * compute_bytes
+    backward = tokens * (gathered + 2 * (queries + kv) * 4)
     return max(forward, backward)
 
 
@@ -585,6 +594,8 @@ class ModelStats:
         kv_width: key (and value) elements per token of one attention layer, `Hkv * head_dim`.
         layer_kinds: each layer's token mixer, "attention" or "linear_attention" (Gated DeltaNet), for the CPU
             reverse pass's inventory (`reverse_bytes`).
+        round_kv_elems: per token, the key and value elements of one attention layer that a context-parallel round
+            gathers with the queries (`sharding._RoundSplit`); 0 for `glm_moe_dsa`.
     """
 
     total_params: int
@@ -619,6 +630,7 @@ class ModelStats:
     round_row_elems: int = 0
     kv_width: int = 0
     layer_kinds: tuple[str, ...] = ()
+    round_kv_elems: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -733,12 +745,12 @@ def model_stats(
             if config.model_type == "glm_moe_dsa"
             else 0
         ),
-        kv_width=(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+        kv_width=key_value_width(config),
         layer_kinds=tuple(
             "linear_attention" if t == "linear_attention" else "attention"
             for t in (getattr(config, "layer_types", None) or ["full_attention"] * len(layers))
         ),
+        round_kv_elems=0 if config.model_type == "glm_moe_dsa" else 2 * key_value_width(config),
     )
 
 
