@@ -337,8 +337,8 @@ def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute
 # prints them, benchmarks/CALIBRATION.md). GLM's DSA top-k selection is an item of its own (`dsa_selection_bytes`).
 # Those runs used the torch fallbacks of Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the
 # fla and Triton kernels hold less. Model types without their own entry use the KV-cache families' (llama's). On CPU
-# (fp32, PyTorch's CPU flash-attention kernel) the reverse pass of llama and qwen3_5 holds more than these multiples
-# say (benchmarks/CALIBRATION.md): the multiples are CUDA figures.
+# the reverse pass of dense models is itemized instead (`reverse_bytes`); MoE models keep these multiples there too,
+# which are CUDA figures (benchmarks/CALIBRATION.md: GLM's CPU rows are below them).
 ACTIVATION_MULTIPLES = {
     "llama": (1.25, 1.75),
     "glm_moe_dsa": (0.5, 2.0),
