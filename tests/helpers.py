@@ -193,3 +193,13 @@ def torchrun(what: str, cases: dict[str, tuple[str, list]], tmp: Path, nproc: in
     yields it inside `with`), so that it is ended if no test asks for its results.
     """
     return Launch(what, cases, tmp, nproc, timeout)
+
+
+def selected(request, name: str) -> bool:
+    """Whether this session runs the test function `name` (any of its parametrizations) of the requesting fixture's
+    module: a launch started with a module's first test, so that it runs while the module's single-process tests do,
+    is started only when a test will ask for its results."""
+    return any(
+        getattr(item, "module", None) is request.module and getattr(item, "originalname", None) == name
+        for item in request.session.items
+    )
