@@ -79,7 +79,7 @@ CPU_WIDTHS = {
         index_n_heads=4,
     ),
 }
-CPU_STEP = dict(P=12288, chunk=4096)
+CPU_STEP = dict(P=6145, chunk=2048)
 # Held out: other widths, a chunk that does not divide the prompt, odd lengths. The prefill's tensor counts
 # (`plan.PREFILL_RESIDUAL_TENSORS`, ...) were read off the allocation traces of the `CPU_WIDTHS` cases; these cases
 # were not looked at before the counts were set.
@@ -106,7 +106,7 @@ CPU_HELD_OUT = {
         linear_value_head_dim=48,
     ),
 }
-CPU_HELD_OUT_STEP = dict(P=7001, chunk=3000)
+CPU_HELD_OUT_STEP = dict(P=4001, chunk=1500)
 # What the prefill and the reverse pass hold beyond the weights and gradients, in the planner's terms.
 PHASE_ITEMS = ("prompt state", "prompt state gradient", "chunk activations")
 CPU_JSON = HERE / "calibration_cpu.json"
@@ -182,7 +182,9 @@ def gpu_rows() -> tuple[list[dict], dict[tuple[str, str], list[float]]]:
         rows.append(row)
         s = budget.stats
         peak_phase = max((i for i in budget.items if i.phase), key=lambda i: i.nbytes).name
-        if peak_phase != "chunk activations" or (r["mode"] == "detached" and plan.prefill_bytes(s, 2) is not None):
+        if peak_phase != "chunk activations" or (
+            r["mode"] == "detached" and plan.prefill_bytes(s, 2, r["chunk"]) is not None
+        ):
             continue  # the peak is another phase's, or the prefill is itemized (`plan.prefill_bytes`): no multiple
         held = sum(v for k, v in items.items() if k not in ("chunk activations", "branch graph"))
         beyond = r["peak_gib"] * GIB - held

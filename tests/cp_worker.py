@@ -10,7 +10,8 @@ glm_moe_dsa a second, left-padded prompt of 38 tokens (37 prefix tokens: 2 round
 DSA round check `dsa_round_errors` of every rank. For llama and qwen3_5, then, under gradient checkpointing, the
 sharded fp32 run twice: with the reverse pass's attention reuse (each checkpoint recompute takes its attention layer's
 kept output instead of exchanging and attending again) and without it, counting fused attention forwards and
-all-to-alls. Rank 0 writes the gradient sets (the DSA errors, the counts) to `OUT`.
+all-to-alls, and with the reuse each rank's (query, key) pairs through the fused kernels in the context-parallel
+rounds. Rank 0 writes the gradient sets (the DSA errors, the counts) to `OUT`.
 """
 
 from __future__ import annotations
@@ -216,12 +217,16 @@ def main(model_path: str, out_path: str) -> None:
             results["dsa round errors"] = [None] * world
             dist.all_gather_object(results["dsa round errors"], dsa_round_errors(rank))
         else:
-            counts = {"kernel": 0, "all_to_all": 0}
+            counts = {"kernel": 0, "all_to_all": 0, "pairs": 0}
             kernel_forward, all_to_all = attention._kernel_forward, dist.all_to_all_single
 
-            def counted_kernel(*args):
+            def counted_kernel(kind, q, k, v, causal, scale):
+                # Fused attention calls, and the (query, key) pairs they score in the prompt's context-parallel
+                # rounds: this rank's attention work in the prefill and the reverse pass.
                 counts["kernel"] += 1
-                return kernel_forward(*args)
+                pairs = q.shape[2] * (q.shape[2] + 1) // 2 if causal else q.shape[2] * k.shape[2]
+                counts["pairs"] += shards.in_round * q.shape[0] * q.shape[1] * pairs
+                return kernel_forward(kind, q, k, v, causal, scale)
 
             def counted_all_to_all(*args, **kwargs):
                 counts["all_to_all"] += 1
@@ -233,7 +238,9 @@ def main(model_path: str, out_path: str) -> None:
             model.train()  # transformers checkpoints only in training mode; the tiny models have no dropout
             results["sharded fp32 checkpointed, reuse"] = run(shards, contextlib.nullcontext)
             results["counts, reuse"] = dict(counts)
-            counts.update(kernel=0, all_to_all=0)
+            results["pairs per rank"] = [None] * world
+            dist.all_gather_object(results["pairs per rank"], counts["pairs"])
+            counts.update(kernel=0, all_to_all=0, pairs=0)
             engine.Pass.attention_reuse = lambda self, layer_idx: None
             results["sharded fp32 checkpointed, no reuse"] = run(shards, contextlib.nullcontext)
             results["counts, no reuse"] = dict(counts)

@@ -90,6 +90,12 @@ def test_context_parallel_gradients_fp32_and_bf16(launch, family):
         with_reuse, without = runs["counts, reuse"], runs["counts, no reuse"]
         assert 0 < with_reuse["kernel"] < without["kernel"], (with_reuse, without)
         assert 0 < with_reuse["all_to_all"] < without["all_to_all"], (with_reuse, without)
+        # The ranks' attention work in the prompt's rounds is balanced: in each of the 4 full rounds of chunks of 7,
+        # rank 0 attends 3 of rank 1's queries to its chunk and rank 1 the other 4 (21 and 28 pairs per query head,
+        # layer and pass), so rank 1 does 929 pairs against rank 0's 901 (1.031x). With rank 0 attending all 7 (the
+        # key owner alone), it did 1.25x rank 1's.
+        pairs = runs["pairs per rank"]
+        assert max(pairs) <= 1.04 * min(pairs), pairs
     if family == "glm_moe_dsa":
         for rank, errors in enumerate(runs["dsa round errors"]):
             assert any("dprefix" in key for key in errors) and any("ties" in key for key in errors), rank

@@ -335,17 +335,21 @@ def test_context_parallel_round_exchange_is_counted(preset_stats):
 
 
 def test_context_parallel_exchange_is_counted(preset_stats):
-    """A context-parallel round (Qwen3.6-27B: 24 query heads of 256, at W = 8 and chunks of 4096 in bf16) exchanges,
-    for one attention layer at a time, the W * chunk queries and fp32 partial outputs of the round: forward 2.8 GB,
-    backward (exact mode's reverse pass) 4.4 GB, counted in the chunk activations; an unsharded state has none, nor
-    has a DeltaNet head count that the group does not divide (replicated passes). GLM-5.2's rounds exchange MLA rows
-    instead (`round_row_elems`, tested with its own term)."""
+    """A context-parallel round (Qwen3.6-27B: 24 query heads and 4 key-value heads of 256, at W = 8 and chunks of 4096
+    in bf16) exchanges, for one attention layer at a time, the W * chunk queries, keys and values and fp32 partial
+    outputs of the round: forward 3.0 GB, backward (exact mode's reverse pass, with the earlier chunks' key and value
+    gradients) 5.2 GB, counted in the chunk activations; an unsharded state has none, nor has a DeltaNet head count
+    that the group does not divide (replicated passes). GLM-5.2's rounds exchange MLA rows instead (`round_row_elems`,
+    tested with its own term)."""
     _, stats = preset_stats["qwen3.6-27b"]
     assert stats.context_parallel_heads == 16 and preset_stats["glm-5.2"][1].context_parallel_heads == -1
-    tokens, q, heads = 8 * 4096, 24 * 256, 24
-    forward = tokens * (q * 2 + 3 * (q + heads) * 4)  # gathered bf16 queries; fp32 parts computed, packed, received
-    backward = tokens * ((3 * q + heads) * 4 + q * 2 + 2 * q * 4)  # gathered q | dout | out | lse, q cast, dq shares
-    assert (round(forward / 1e9, 1), round(backward / 1e9, 1)) == (2.8, 4.4)
+    assert stats.round_kv_elems == 2 * 4 * 256 and preset_stats["glm-5.2"][1].round_kv_elems == 0
+    tokens, q, heads, kv = 8 * 4096, 24 * 256, 24, 2 * 4 * 256
+    # Gathered bf16 queries, keys and values; fp32 parts computed, packed, received.
+    forward = tokens * ((q + kv) * 2 + 3 * (q + heads) * 4)
+    # Gathered q | dout | out | lse | k | v in fp32, q cast, dq shares and key-value gradients computed and exchanged.
+    backward = tokens * ((3 * q + heads + kv) * 4 + q * 2 + 2 * (q + kv) * 4)
+    assert (round(forward / 1e9, 1), round(backward / 1e9, 1)) == (3.0, 5.2)
     setup = Setup(positions=500_000, gpus=8, shard_prompt_state=True, prefill_chunk_size=4096)
 
     def chunk(stats=stats, **changes):
@@ -724,13 +728,79 @@ def test_portable_attention_score_tiles_are_counted():
     setup = Setup(positions=20_000, prefill_chunk_size=2048, gpus=1, compute_bytes=4)
     for mode, tiles in (("exact", 4), ("detached", 3)):
         fp32 = estimate(stats, replace(setup, mode=mode))
-        cpu = estimate(stats, replace(setup, mode=mode, device="cpu"))
-        assert _item(fp32, "chunk activations") - _item(cpu, "chunk activations") == tiles * 2048 * 8 * 4096 * 4
+        assert plan.score_tiles(stats, 4, 2048, autograd=mode == "exact") == tiles * 2048 * 8 * 4096 * 4
+        assert plan.score_tiles(stats, 4, 2048, autograd=mode == "exact", device="cpu") == 0
+        assert plan.score_tiles(stats, 2, 2048, autograd=mode == "exact") == 0
         assert "fp32 score tiles" in [i for i in fp32.items if i.name == "chunk activations"][0].detail
-    bf16 = replace(setup, compute_bytes=2)
-    assert _item(estimate(stats, bf16), "chunk activations") == _item(
-        estimate(stats, replace(bf16, device="cpu")), "chunk activations"
+    # The prefill's inventory is the same on both devices: only the tiles differ.
+    cpu = estimate(stats, replace(setup, mode="detached", device="cpu"))
+    fp32 = estimate(stats, replace(setup, mode="detached"))
+    assert _item(fp32, "chunk activations") - _item(cpu, "chunk activations") == 3 * 2048 * 8 * 4096 * 4
+
+
+def _tiny_stats(family: str, **widths):
+    from trl_longstraw.testing import tiny_config
+
+    config = tiny_config(family, vocab_size=128, **widths).get_text_config()
+    return config, model_stats(meta_model(config), config, state_dtype_bytes=4)
+
+
+def test_cpu_reverse_pass_is_itemized():
+    """On CPU the exact-mode reverse pass of a dense model is the itemized inventory (`plan.reverse_bytes`); CUDA keeps
+    the activation multiples calibrated on the GPU check, and so do MoE models and the non-default switches.
+
+    A further layer adds only what the chunk keeps per layer (its output, its kept attention output and log-sum-exp,
+    its K and V records): the recomputed graphs at the peak are two layers' whatever the depth (traced at 2 and 3
+    layers, benchmarks/CALIBRATION.md)."""
+    widths = dict(hidden_size=96, intermediate_size=400, num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+    _, two = _tiny_stats("llama", num_hidden_layers=2, **widths)
+    _, three = _tiny_stats("llama", num_hidden_layers=3, **widths)
+    b = 4
+    per_layer = 96 * b + 3 * 32 * b + 3 * 4 + 2 * 32 * b
+    assert plan.reverse_bytes(three, b, "cpu") - plan.reverse_bytes(two, b, "cpu") == per_layer
+    assert plan.reverse_bytes(two, b, "cuda") is None
+    setup = Setup(positions=5000, prefill_chunk_size=1000, gpus=1, compute_bytes=b, device="cpu")
+    assert _item(estimate(two, setup), "chunk activations") == 1000 * plan.reverse_bytes(two, b, "cpu")
+    cuda = estimate(two, replace(setup, device="cuda"))
+    no_reuse = estimate(two, replace(setup, attention_reuse=False))
+    graph = two.num_layers * 96 * b + int(plan.activation_multiples("llama")[1] * two.layer_activation_elems * b)
+    outputs, lses = two.kept_attention
+    tiles = plan.score_tiles(two, b, 1000, autograd=True)  # fp32 on CUDA: the portable attention path
+    assert _item(cuda, "chunk activations") == 1000 * (graph + outputs * b + lses * 4) + tiles
+    assert _item(no_reuse, "chunk activations") == 1000 * graph
+    # Gated DeltaNet layers before the last: the layer L-2 whose MLP backward is the peak holds the delta rule's graph.
+    gdn = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24)
+    _, qwen = _tiny_stats(
+        "qwen3_5", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], **widths, **gdn
     )
+    _, attention_only = _tiny_stats(
+        "qwen3_5", num_hidden_layers=2, layer_types=["full_attention"] * 2, **widths, **gdn
+    )
+    mixer = plan._reverse_mixer_bytes(qwen, "linear_attention", b) - plan._reverse_mixer_bytes(qwen, "attention", b)
+    kept = 3 * 32 * b + 3 * 4 + 2 * 32 * b  # a second attention layer's kept output, log-sum-exp and records
+    assert plan.reverse_bytes(attention_only, b, "cpu") - plan.reverse_bytes(qwen, b, "cpu") == kept - mixer
+    _, glm = _tiny_stats("glm_moe_dsa")
+    assert plan.reverse_bytes(glm, b, "cpu") is None
+
+
+def test_delta_rule_groups_follow_the_engine(monkeypatch):
+    """`plan.delta_rule_group` is the group of blocks that the no-grad delta rule builds its block terms for."""
+    from trl_longstraw import qwen3_5
+
+    for length, v_dim in ((1500, 24), (700, 8), (4096, 64), (100, 128), (64, 16)):
+        groups = []
+        block_terms = qwen3_5._block_terms
+
+        def counted(query, *args, groups=groups, block_terms=block_terms):
+            groups.append(query.shape[2])
+            return block_terms(query, *args)
+
+        monkeypatch.setattr(qwen3_5, "_block_terms", counted)
+        g = -torch.rand(1, length, 2)
+        inputs = (torch.randn(1, length, 1, 4), torch.randn(1, length, 1, 4), torch.randn(1, length, 2, v_dim))
+        with torch.no_grad():
+            qwen3_5.torch_gated_delta_rule(*inputs, g, torch.rand(1, length, 2))
+        assert min(max(groups) * qwen3_5.DELTA_RULE_BLOCK, length) == plan.delta_rule_group(length, v_dim)
 
 
 def test_dsa_selection_buffers_are_counted(preset_stats):
@@ -763,12 +833,11 @@ def test_lm_head_weight_gradient_is_counted(preset_stats):
     assert branch == 6 * head
 
 
-def test_prefill_inventory_matches_the_allocated_peak():
-    """The planner's no-grad prefill (`plan.prefill_bytes`: residual tensors and the gated MLP's transients) against
-    the peak that PyTorch's CPU allocator reaches in the engine's prefill (profiler), for widths other than those the
-    tensor counts were read from: within 10% above and 5% below. (qwen3_5's Gated DeltaNet fallback term is not
-    checked here: at H=96, 4 value heads, chunk 1500 it over-predicts by 42%, outside the target; see
-    benchmarks/CALIBRATION.md.)"""
+def test_cpu_inventories_match_the_allocated_peaks():
+    """The planner's CPU inventories (`plan.prefill_bytes`: the no-grad prefill; `plan.reverse_bytes`: the exact-mode
+    reverse pass) against the peak that PyTorch's CPU allocator reaches in the engine (profiler), for widths other
+    than those the tensor counts were read from (H=96, a chunk that does not divide the prompt; qwen3_5's Gated
+    DeltaNet with 4 value heads of 24, so three groups of block terms): within 10% above and 5% below."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from calibrate_planner import allocated_peak, predict
 
@@ -776,29 +845,46 @@ def test_prefill_inventory_matches_the_allocated_peak():
     from trl_longstraw.engine import Engine, PromptGroup
     from trl_longstraw.testing import tiny_config
 
+    common = dict(hidden_size=96, intermediate_size=400, num_attention_heads=3, num_key_value_heads=1, head_dim=32)
     widths = {
-        "llama": dict(
-            hidden_size=96,
-            intermediate_size=400,
-            num_hidden_layers=2,
-            num_attention_heads=3,
-            num_key_value_heads=1,
-            head_dim=32,
+        "llama": dict(num_hidden_layers=2, **common),
+        "qwen3_5": dict(
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=24,
+            **common,
         ),
     }
     p, chunk = 3001, 1500
     for family, w in widths.items():
         torch.manual_seed(0)
         config = tiny_config(family, vocab_size=128, **w).get_text_config()
-        model = AutoModelForCausalLM.from_config(config).eval()
+        model = AutoModelForCausalLM.from_config(config).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         engine = Engine(model, model, get_adapter(model), chunk_size=chunk, progress=False)
         tokens = torch.randint(3, 128, (p,))
-        engine.prefill(PromptGroup(tokens=tokens[: chunk + 1], pad=0, rows=[0]))  # warm-up
-        group = PromptGroup(tokens=tokens, pad=0, rows=[0])
-        measured, _ = allocated_peak(functools.partial(engine.prefill, group))
-        budget = predict(config, p, 1, 1, chunk, "detached", 4, device="cpu")
-        predicted = _item(budget, "prompt state") + _item(budget, "chunk activations")
-        assert 0.95 <= predicted / measured <= 1.10, (family, predicted, measured)
+
+        def exact(group, measure, engine=engine):
+            """(prefill peak, reverse peak) of one exact-mode prompt, the reverse's with the state and its gradient."""
+            prefill, state = measure(functools.partial(engine.prefill, group, boundaries=True))
+            state.requires_grad_()
+            for records in state.records.values():
+                for record in records:
+                    for t in record or ():
+                        t.grad = torch.ones_like(t)
+            held = sum(t.nbytes for records in state.records.values() for r in records for t in r or ())
+            reverse, _ = measure(functools.partial(engine.reverse, group, state))
+            return prefill, reverse + 2 * held
+
+        exact(PromptGroup(tokens=tokens[: chunk + 1], pad=0, rows=[0]), lambda fn: (0, fn()))  # warm-up
+        measured = exact(PromptGroup(tokens=tokens, pad=0, rows=[0]), allocated_peak)
+        for mode, peak in zip(("detached", "exact"), measured, strict=True):
+            budget = predict(config, p, 1, 1, chunk, mode, 4, device="cpu")
+            predicted = sum(_item(budget, n) for n in ("prompt state", "prompt state gradient", "chunk activations"))
+            assert 0.95 <= predicted / peak <= 1.10, (family, mode, predicted, peak)
 
 
 def test_planner_is_calibrated_on_the_gpu_check():

@@ -9,10 +9,11 @@ parallelism (transformers' `all_to_all` sends every (token, expert) pair to the 
 
 Token mixers see the other ranks' chunks of the round through collectives:
 
-- attention (`sharding.sharded_prefix_attention` in a round, `PromptShards.cp_round`): the queries of every rank are
-  gathered, each rank attends them to its own earlier chunks and, for the ranks after it in the round, to its own
-  chunk's keys; the partial outputs and log-sum-exps go back to the query owners and merge there with the causal
-  part (the branch-round exchange, plus one masked part);
+- attention (`sharding.sharded_prefix_attention` in a round, `PromptShards.cp_round`): the queries, keys and values
+  of every rank are gathered; each rank attends every rank's queries to its own earlier chunks and the first half of
+  each later rank's queries to its own chunk, and the partial outputs and log-sum-exps go back to the query owners,
+  which merge them with their causal part and with their other half attended to the round's earlier chunks (the
+  branch-round exchange; the halves keep the ranks' work equal within the round, `sharding._RoundSplit`);
 - Gated DeltaNet (`qwen3_5`): head-parallel (Ulysses). One all-to-all (`exchange`) gives every rank the conv inputs
   and gates of `H / W` heads for all the round's tokens; it convolves them and runs the delta rule chunk after chunk
   from the conv history and state at the start of the round, as one process does; another all-to-all returns the

@@ -283,6 +283,13 @@ def kept_attention(config) -> tuple[int, int]:
     return layers * query_exchange(config)[1], layers * config.num_attention_heads
 
 
+def key_value_width(config) -> int:
+    """Key (or value) elements per token of one attention layer: all key-value heads (`head_dim` wide)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+
+
 def context_parallel_heads(config) -> int:
     """Whether the prompt passes of a sharded state are context-parallel rounds exchanging queries and partial
     outputs (`sharding._ShardedPrefixAttention`, `context_parallel_exchange`): 0 for every shard group size
@@ -299,18 +306,20 @@ def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute
     """Transient bytes of one attention layer's exchange in a context-parallel round of `world` chunks of `chunk`
     tokens (`sharding._ShardedPrefixAttention`), on each rank.
 
-    Forward: every rank's queries gathered (compute dtype), and the fp32 partial outputs and log-sum-exps of them
-    against this rank's chunks (computed, packed, received: three copies). Backward (`autograd`, the exact-mode
-    reverse pass; its forward's buffers are freed by then): every rank's queries, output gradients, outputs and
-    log-sum-exps gathered in fp32, the queries cast back, and the fp32 query-gradient shares (computed, exchanged).
+    Forward: every rank's queries, keys and values gathered (compute dtype), and the fp32 partial outputs and
+    log-sum-exps of the queries against this rank's chunks (computed, packed, received: three copies). Backward
+    (`autograd`, the exact-mode reverse pass; its forward's buffers are freed by then): every rank's queries, output
+    gradients, outputs, log-sum-exps, keys and values gathered in fp32, the queries cast back, and the fp32
+    query-gradient shares with the earlier chunks' key and value gradients (computed, exchanged).
     """
     queries, outputs = stats.query_exchange
-    heads = stats.attention_heads
+    heads, kv = stats.attention_heads, stats.round_kv_elems
     tokens = world * chunk
-    forward = tokens * (queries * compute_bytes + 3 * (outputs + heads) * 4)
+    forward = tokens * ((queries + kv) * compute_bytes + 3 * (outputs + heads) * 4)
     if not autograd:
         return forward
-    backward = tokens * ((queries + 2 * outputs + heads) * 4 + queries * compute_bytes + 2 * queries * 4)
+    gathered = (queries + 2 * outputs + heads + kv) * 4 + queries * compute_bytes
+    backward = tokens * (gathered + 2 * (queries + kv) * 4)
     return max(forward, backward)
 
 
@@ -382,35 +391,152 @@ def dsa_selection_bytes(stats: ModelStats, queries: int, keys: int) -> int:
 
 
 # The no-grad prefill of a dense model, per chunk token, from what its code holds at the peak (traced allocation by
-# allocation on CPU: `benchmarks/calibrate_planner.py --trace FAMILY`): the residual stream's tensors `[T, H]` (the
-# embeddings, which the backbone's forward keeps referenced, the layer's input, the residual after attention and the
-# normed MLP input), RoPE's cos and sin (fp32 `[T, head_dim]`), and the largest of one layer's transients:
-# - the gated MLP: act(gate), up and their product `[T, I]`;
-# - the torch fallback of Gated DeltaNet (`qwen3_5.torch_gated_delta_rule`, where fla is absent): the projections
-#   (qkv `[T, conv_dim]` and its conv output, z `[T, Hv, Dv]`) and its fp32 work tensors per value head: query, key,
-#   k_beta and k_cumdecay `[Dk]`, value, v_beta, new values, the block outputs and their stack `[Dv]`, and three
-#   `[block, block]` matrices per block of 64 positions (decays, UT system, intra-block attention).
+# allocation on CPU: `benchmarks/calibrate_planner.py --trace FAMILY`): RoPE's cos and sin (fp32 `[T, head_dim]`) and
+# the larger of one layer's two phases:
+# - the gated MLP: the residual stream's tensors `[T, H]` (`PREFILL_RESIDUAL_TENSORS`: the embeddings, which the
+#   backbone's forward keeps referenced, the layer's input, the residual after attention and the normed MLP input)
+#   and act(gate), up and their product `[T, I]`;
+# - the torch fallback of Gated DeltaNet (`qwen3_5.torch_gated_delta_rule`, where fla is absent): the residual
+#   stream's tensors before the MLP (`DELTA_RULE_RESIDUAL_TENSORS`: the embeddings, the layer's input and its normed
+#   input), the projections (qkv `[T, conv_dim]` and its conv output, z `[T, Hv, Dv]`) and its fp32 work tensors per
+#   value head. Without autograd the delta rule converts its inputs and builds its block terms group by group, a
+#   group being `delta_rule_group` tokens (whole blocks of 64 positions, about `T * Dv / 64`): these scale with the
+#   group, not the chunk. Their peak is the larger of:
+#   - a group's intra-block scores: the group's inputs (`DELTA_RULE_KEY_VECTORS` `[Dk]`: the fp32 query and key,
+#     the L2-normed key, the scaled query, k_beta; `DELTA_RULE_VALUE_VECTORS` `[Dv]`: v_beta) and
+#     `DELTA_RULE_BLOCK_MATRICES` `[block, block]` per block (decays, UT system, scores); from the second group on,
+#     also the previous group's terms, which the scan's loop variables keep (`DELTA_RULE_TERMS`: decayed query and
+#     key, k_cumdecay `[Dk]`, new values `[Dv]`, the intra-block scores), and the earlier groups' block outputs
+#     `[Dv]` per token (the largest over the groups: the last one may be shorter);
+#   - the final stack: the block outputs and their stack `[Dv]` per chunk token, and the last group's terms.
 PREFILL_RESIDUAL_TENSORS = 4
 PREFILL_MLP_TENSORS = 3
-DELTA_RULE_KEY_VECTORS, DELTA_RULE_VALUE_VECTORS, DELTA_RULE_BLOCK_MATRICES = 4, 5, 3
+DELTA_RULE_RESIDUAL_TENSORS = 3
+DELTA_RULE_KEY_VECTORS, DELTA_RULE_VALUE_VECTORS, DELTA_RULE_BLOCK_MATRICES = 5, 1, 3
+DELTA_RULE_TERMS = (3, 1, 1)  # `([Dk] vectors, [Dv] vectors, block matrices)` of one group's block terms
 
 
-def prefill_bytes(stats: ModelStats, compute_bytes: int) -> int | None:
-    """Bytes per chunk token of the no-grad prefill (see `PREFILL_RESIDUAL_TENSORS`), or None for MoE models, whose
-    routed experts' dispatch buffers are not itemized (`ACTIVATION_MULTIPLES` covers them)."""
-    if stats.num_experts or not stats.intermediate_size:
-        return None
+def delta_rule_group(tokens: int, v_dim: int) -> int:
+    """Tokens per group of the no-grad delta rule's block terms (`qwen3_5.torch_gated_delta_rule`) in a chunk of
+    `tokens`: `max(1, blocks * Dv // 64)` blocks of 64 positions, at most the chunk."""
     from .qwen3_5 import DELTA_RULE_BLOCK
 
+    blocks = -(-tokens // DELTA_RULE_BLOCK)
+    return min(tokens, max(1, blocks * v_dim // DELTA_RULE_BLOCK) * DELTA_RULE_BLOCK)
+
+
+def delta_rule_prefill_bytes(chunk: int, heads: int, k_dim: int, v_dim: int) -> int:
+    """Bytes of the fp32 work tensors of the no-grad delta rule over a `chunk`-token chunk (see
+    `PREFILL_RESIDUAL_TENSORS`): `heads` value heads of key width `k_dim` and value width `v_dim`. The largest over
+    the chunk's groups (the last one may be shorter) and the final stack."""
+    from .qwen3_5 import DELTA_RULE_BLOCK
+
+    group = delta_rule_group(chunk, v_dim)
+    sizes = [min(group, chunk - start) for start in range(0, chunk, group)]
+    key, value, blocks = DELTA_RULE_TERMS
+    terms = key * k_dim + value * v_dim + blocks * DELTA_RULE_BLOCK
+    inputs = DELTA_RULE_KEY_VECTORS * k_dim + DELTA_RULE_VALUE_VECTORS * v_dim
+    peak = sizes[0] * (inputs + DELTA_RULE_BLOCK_MATRICES * DELTA_RULE_BLOCK)
+    for i in range(1, len(sizes)):
+        # The group's scores, the previous group's terms and the earlier groups' block outputs.
+        scores = sizes[i] * (inputs + DELTA_RULE_BLOCK_MATRICES * DELTA_RULE_BLOCK)
+        peak = max(peak, scores + sizes[i - 1] * terms + sum(sizes[:i]) * v_dim)
+    stack = 2 * chunk * v_dim + sizes[-1] * terms
+    return heads * 4 * max(peak, stack)
+
+
+def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | None:
+    """Bytes of the no-grad prefill of a `chunk`-token chunk (see `PREFILL_RESIDUAL_TENSORS`), or None for MoE
+    models, whose routed experts' dispatch buffers are not itemized (`ACTIVATION_MULTIPLES` covers them)."""
+    if stats.num_experts or not stats.intermediate_size:
+        return None
     s, b = stats, compute_bytes
-    residual = PREFILL_RESIDUAL_TENSORS * s.hidden_size * b + 2 * s.head_dim * 4
-    transient = PREFILL_MLP_TENSORS * s.intermediate_size * b
+    rope = chunk * 2 * s.head_dim * 4
+    peak = chunk * (PREFILL_RESIDUAL_TENSORS * s.hidden_size + PREFILL_MLP_TENSORS * s.intermediate_size) * b
     heads, k_dim, v_dim, conv_dim = s.delta_rule
     if heads:
-        work = DELTA_RULE_KEY_VECTORS * k_dim + DELTA_RULE_VALUE_VECTORS * v_dim
-        work += DELTA_RULE_BLOCK_MATRICES * DELTA_RULE_BLOCK
-        transient = max(transient, (2 * conv_dim + heads * v_dim) * b + heads * work * 4)
-    return residual + transient
+        projections = chunk * (DELTA_RULE_RESIDUAL_TENSORS * s.hidden_size + 2 * conv_dim + heads * v_dim) * b
+        peak = max(peak, projections + delta_rule_prefill_bytes(chunk, heads, k_dim, v_dim))
+    return rope + peak
+
+
+# The exact-mode reverse pass of a dense model on CPU, checkpointed with the attention outputs kept (the defaults),
+# per chunk token, from what its code holds at the allocated peak (traced allocation by allocation:
+# `benchmarks/calibrate_planner.py --trace FAMILY`, at two sets of widths per family). The peak is in the backward of
+# the gated MLP of the last layer but one (layer L-2), while three sets of tensors are live:
+# - the chunk's own (`REVERSE_CHUNK_RESIDUALS` + L tensors `[T, H]`: the embeddings, each layer's output kept by the
+#   checkpoint, the final norm's normalized input and output; each attention layer's kept output and fp32
+#   log-sum-exp, and its recomputed K and V records `[T, Hkv * D]`; RoPE's cos and sin, fp32; the position ids);
+# - the last layer's recomputed graph, which the backward never consumes: its records get gradients through its
+#   token mixer, but its MLP only feeds the final hidden states, which get none (`REVERSE_DEAD_RESIDUALS` `[T, H]`,
+#   `REVERSE_MLP_SAVED` `[T, I]`: gate, up, act(gate), their product, and what its attention keeps);
+# - layer L-2's recomputed graph and the MLP backward's gradients (`REVERSE_LIVE_RESIDUALS` `[T, H]` with the
+#   incoming gradient, `REVERSE_MLP_LIVE` `[T, I]`: gate, up, act(gate) and three gradients), and its token mixer's
+#   saved tensors: an attention layer's (`REVERSE_ATTENTION_QUERY_TENSORS` `[T, q_proj width]`-sized query-side
+#   tensors, per model type, and K and V), or Gated DeltaNet's torch fallback with autograd (`REVERSE_DELTA_RULE`:
+#   conv window, conv output and its activation `[T, conv_dim]`; `[T, Hv, Dv]` tensors (z, its gate, the gated
+#   norm's three, the fp32 value, new values, per-block new values); `[T, Hv, Dk]` fp32 (query, key and their copies,
+#   k_beta, decayed query and key, k_cumdecay, L2-norm temporaries); `[Hv, block, block]` per block (decays, UT
+#   system, intra-block scores); the state after each block `[Hv, Dk, Dv]` per 64 tokens; and per-head scalars).
+# The CUDA reverse pass keeps the activation multiples (`ACTIVATION_MULTIPLES`), calibrated on the GPU check.
+REVERSE_CHUNK_RESIDUALS = 3
+REVERSE_DEAD_RESIDUALS = 4
+REVERSE_LIVE_RESIDUALS = 6
+REVERSE_MLP_SAVED = 4
+REVERSE_MLP_LIVE = 6
+# Query-side tensors `[T, Hq * D]` of an attention layer's recomputed graph (llama: the contiguous query and output
+# copies; qwen3_5: also the query projection with its gate `[T, 2 Hq D]`, the q-norm's normalized query, the rotated
+# query, the gate's sigmoid and the gated output). Model types without an entry use llama's.
+REVERSE_ATTENTION_QUERY_TENSORS = {"llama": 2, "qwen3_5_text": 7, "qwen3_5": 7}
+REVERSE_DELTA_RULE = dict(conv=3, value=8, key=12, blocks=5, scalars=10)
+
+
+def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int) -> int:
+    """Per chunk token, the saved tensors of one recomputed token mixer (`kind`: "attention" or "linear_attention")
+    in the CPU reverse pass (see `REVERSE_CHUNK_RESIDUALS`)."""
+    from .qwen3_5 import DELTA_RULE_BLOCK
+
+    if kind == "linear_attention":
+        heads, k_dim, v_dim, conv_dim = stats.delta_rule
+        c = REVERSE_DELTA_RULE
+        return (
+            c["conv"] * conv_dim * b
+            + heads * (c["value"] * v_dim + c["key"] * k_dim + c["blocks"] * DELTA_RULE_BLOCK + c["scalars"]) * 4
+            + heads * k_dim * v_dim * 4 // DELTA_RULE_BLOCK
+        )
+    queries = REVERSE_ATTENTION_QUERY_TENSORS.get(stats.model_type, REVERSE_ATTENTION_QUERY_TENSORS["llama"])
+    return (queries * stats.attention_heads * stats.head_dim + 2 * stats.kv_width) * b
+
+
+def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str) -> int | None:
+    """Bytes per chunk token of the exact-mode reverse pass (checkpointed, attention outputs kept) where it is
+    itemized: dense models on CPU (see `REVERSE_CHUNK_RESIDUALS`). None elsewhere: the CUDA reverse pass and MoE
+    models use the activation multiples (`ACTIVATION_MULTIPLES`)."""
+    s, b = stats, compute_bytes
+    if device != "cpu" or s.num_experts or not s.intermediate_size or not s.layer_kinds:
+        return None
+    outputs, lses = s.kept_attention
+    attention_layers = s.layer_kinds.count("attention")
+    chunk = (
+        (REVERSE_CHUNK_RESIDUALS + s.num_layers) * s.hidden_size * b
+        + outputs * b
+        + lses * 4
+        + attention_layers * 2 * s.kv_width * b
+        + 2 * s.head_dim * 4
+        + 8
+    )
+    last, earlier = s.layer_kinds[-1], set(s.layer_kinds[:-1])
+    dead = (
+        REVERSE_DEAD_RESIDUALS * s.hidden_size * b
+        + REVERSE_MLP_SAVED * s.intermediate_size * b
+        + _reverse_mixer_bytes(s, last, b)
+    )
+    live = (
+        REVERSE_LIVE_RESIDUALS * s.hidden_size * b
+        + REVERSE_MLP_LIVE * s.intermediate_size * b
+        + max(_reverse_mixer_bytes(s, kind, b) for kind in earlier or {last})
+    )
+    return chunk + (dead if earlier else 0) + live
 
 
 def exchange_rows(stats: ModelStats, rows: int) -> int:
@@ -465,6 +591,11 @@ class ModelStats:
         context_parallel_heads: see `context_parallel_heads` (0: context-parallel prompt passes for any shard group).
         round_row_elems: per token, the record elements of one layer that a context-parallel round gathers from
             every rank (`glm_moe_dsa`: the MLA row and the index key, `glm_moe_dsa.round_rows`); 0 for others.
+        kv_width: key (and value) elements per token of one attention layer, `Hkv * head_dim`.
+        layer_kinds: each layer's token mixer, "attention" or "linear_attention" (Gated DeltaNet), for the CPU
+            reverse pass's inventory (`reverse_bytes`).
+        round_kv_elems: per token, the key and value elements of one attention layer that a context-parallel round
+            gathers with the queries (`sharding._RoundSplit`); 0 for `glm_moe_dsa`.
     """
 
     total_params: int
@@ -497,6 +628,9 @@ class ModelStats:
     delta_rule: tuple[int, int, int, int] = (0, 0, 0, 0)
     context_parallel_heads: int = 0
     round_row_elems: int = 0
+    kv_width: int = 0
+    layer_kinds: tuple[str, ...] = ()
+    round_kv_elems: int = 0
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
@@ -611,6 +745,12 @@ def model_stats(
             if config.model_type == "glm_moe_dsa"
             else 0
         ),
+        kv_width=key_value_width(config),
+        layer_kinds=tuple(
+            "linear_attention" if t == "linear_attention" else "attention"
+            for t in (getattr(config, "layer_types", None) or ["full_attention"] * len(layers))
+        ),
+        round_kv_elems=0 if config.model_type == "glm_moe_dsa" else 2 * key_value_width(config),
     )
 
 
@@ -1010,7 +1150,11 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     if exact:
         checkpointed = u.gradient_checkpointing and u.reverse_checkpointing
         reuse = kept if checkpointed and u.attention_reuse else 0
-        if checkpointed:
+        itemized = reverse_bytes(s, u.compute_bytes, u.device) if reuse else None
+        if itemized is not None:
+            # The CPU reverse pass's own inventory (`reverse_bytes`), attention outputs included.
+            reverse_per_token = itemized
+        elif checkpointed:
             # Each attention layer's output and log-sum-exp, kept from the forward for the recompute.
             reverse_per_token = graph_per_token + reuse
         else:
@@ -1020,6 +1164,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
                 "chunk activations",
                 chunk * reverse_per_token + tiles,
                 f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
+                + (", CPU inventory" if itemized is not None else "")
                 + (", attention outputs kept for the recompute)" if reuse else ")")
                 + ("" if checkpointed or not u.gradient_checkpointing else ", not checkpointed: every layer's graph")
                 + scored,
@@ -1027,14 +1172,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             )
         )
     else:
-        forward = prefill_bytes(s, u.compute_bytes)
+        forward = prefill_bytes(s, u.compute_bytes, chunk)
         if forward is None:
-            forward = int(no_grad * s.layer_activation_elems * u.compute_bytes)
+            forward = chunk * int(no_grad * s.layer_activation_elems * u.compute_bytes)
         items.append(
             Item(
                 "chunk activations",
-                chunk * forward + tiles,
-                f"{chunk:,} tokens x {_size(forward)} (no-grad prefill, one layer at a time){scored}",
+                forward + tiles,
+                f"{chunk:,} tokens x {_size(forward // chunk)} (no-grad prefill, one layer at a time){scored}",
                 phase="activations",
             )
         )

@@ -17,8 +17,9 @@ owners (one all-to-all) and are merged there with the branch's causal part. The 
 decomposition: the owners' queries (again), `dout`, output and global log-sum-exp are gathered, each rank
 computes the gradient of its own chunks (which thus stays on the rank that owns the record: exact mode reverses it
 there) and its share of every rank's query gradient, which an all-to-all returns to the query owners. A
-*context-parallel round* is the same exchange in which each rank also attends the queries of the ranks after it to
-its own chunk's keys (the chunks of a round follow each other in rank order).
+*context-parallel round* is the same exchange in which the ranks also attend the queries of the later ranks of the
+round to the earlier ranks' chunks (the chunks of a round follow each other in rank order), each rank half of them
+(`_RoundSplit`).
 
 Lockstep: a pass's collectives must meet partners on every rank, so all ranks run the same sequence of passes. Prompts
 are taken in one agreed order; prefill and reverse chunks are the same everywhere; branches run in rounds, and a rank
@@ -418,10 +419,44 @@ def _part_backward(kind, extra, qf, keys, values, dout, out, lse, delta, scale: 
     return (dk.to(keys.dtype), dv.to(values.dtype)) if need_kv else (None, None)
 
 
+class _RoundSplit:
+    """How a context-parallel round splits the attention of each chunk's queries to the earlier chunks of the round.
+
+    Rank `b`'s queries see the whole chunk of every rank `a < b` (the chunks of a round follow each other in rank
+    order). The first `lengths[b] // 2` of them are attended to each such chunk by its owner `a` (they are among the
+    gathered queries, and the parts return with the prefix parts), the others by `b` itself, against those chunks'
+    keys, which the round gathers with the queries. So each rank attends `(W - 1) / 2` chunk pairs of the round (with
+    chunks of equal length), where the key owners alone attended `W - 1 - r` on rank `r`: the ranks reach the round's
+    exchanges together instead of the later ones waiting for rank 0.
+
+    The keys and values are gathered again for the backward rather than kept from the forward, which the reverse
+    pass runs for a whole chunk (every layer) before the backward.
+
+    Attributes:
+        later: `(b, rows)` for each later rank `b` with rows attended here: `rows` of its queries, from its first.
+        own: the first of this rank's own queries that it attends to the earlier chunks (`lengths[rank]` if none).
+        earlier: `(a, n_a)` for each earlier rank: its chunk's tokens.
+    """
+
+    def __init__(self, shards: PromptShards):
+        rank, lengths = shards.rank, shards.lengths
+        self.later = [(b, lengths[b] // 2) for b in range(rank + 1, shards.world) if lengths[b] // 2]
+        self.own = lengths[rank] // 2 if rank else lengths[rank]
+        self.earlier = [(a, lengths[a]) for a in range(rank)]
+
+    def earlier_keys(self, kall: torch.Tensor, vall: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The earlier chunks' keys and values `[1, Hkv, sum(n_a), D]` from every rank's `kall`, `vall`
+        `[W, Hkv, Tmax, D]`."""
+        keys = torch.cat([kall[a, :, :n] for a, n in self.earlier], dim=1)[None]
+        values = torch.cat([vall[a, :, :n] for a, n in self.earlier], dim=1)[None]
+        return keys, values
+
+
 class _ShardedPrefixAttention(torch.autograd.Function):
     """Attention of each rank's own queries over the chunks of every rank (branch rounds and context-parallel rounds):
     every rank's queries are gathered and attended to this rank's chunks, the parts return to their owners. Each part
     runs through the fused kernel `kind` (see `attention._kernel_for`) or, with `kind` None, the portable einsum path.
+    In a context-parallel round the keys of the round's chunks are gathered too, for `_RoundSplit`.
     """
 
     @staticmethod
@@ -434,14 +469,14 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         if reuse:
             # Gradient checkpointing's recompute of the call that filled `reuse` (every rank recomputes the same
             # layer of the same round, so all skip the exchange together): its inputs are those of the first call.
-            out, lse, extras, in_round = (reuse.pop(key) for key in ("out", "lse", "extras", "in_round"))
+            out, lse, extras, split = (reuse.pop(key) for key in ("out", "lse", "extras", "split"))
             if out.shape[3] != t:
                 raise RuntimeError(f"attention reuse: kept output {tuple(out.shape)} for queries {tuple(q.shape)}")
         else:
-            out, lse, extras, in_round = _ShardedPrefixAttention.attend(kind, scale, shards, q, k, v, prefix)
+            out, lse, extras, split = _ShardedPrefixAttention.attend(kind, scale, shards, q, k, v, prefix)
             if reuse is not None:
-                reuse.update(out=out, lse=lse, extras=extras, in_round=in_round)
-        ctx.kind, ctx.scale, ctx.shards, ctx.lengths, ctx.in_round = kind, scale, shards, lengths, in_round
+                reuse.update(out=out, lse=lse, extras=extras, split=split)
+        ctx.kind, ctx.scale, ctx.shards, ctx.lengths, ctx.split = kind, scale, shards, lengths, split
         ctx.extras = extras
         ctx.save_for_backward(q, k, v, out, lse, *prefix)
         return out.view(1, hq, t, -1).to(q.dtype)
@@ -449,14 +484,25 @@ class _ShardedPrefixAttention(torch.autograd.Function):
     @staticmethod
     def attend(kind, scale: float, shards: PromptShards, q, k, v, prefix):
         """The forward's work: `(out [1, Hkv, g, T, Dv], lse [1, Hkv, g, T])` in the accumulation dtype, the kernel
-        extras per part, and whether the pass is a context-parallel round in which later ranks' queries saw `k`."""
+        extras per part, and in a context-parallel round its `_RoundSplit` (else None)."""
         world, group, lengths = shards.world, shards.group, list(shards.lengths)
         _, hq, t, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         g, tmax = hq // hkv, max(lengths)
+        split = earlier = None
+        if shards.in_round:
+            # Every rank's queries, keys and values in one all-gather.
+            mine = [_pad_t(x, tmax, 2).reshape(-1) for x in (q, k, v)]
+            everyone = _all_gather(torch.cat(mine)[None], world, group)  # [W, Tmax * (Hq * D + Hkv * (D + Dv))]
+            qall, kall, vall = everyone.split([x.numel() for x in mine], dim=1)
+            split = _RoundSplit(shards)
+            if split.earlier:
+                earlier = split.earlier_keys(kall.view(world, hkv, tmax, d), vall.view(world, hkv, tmax, dv))
+            qall = qall.view(world, hkv, g, tmax, d)
+        else:
+            qall = _all_gather(_pad_t(q, tmax, 2), world, group).view(world, hkv, g, tmax, d)
         # Every rank's queries, stacked along the token axis: [1, Hkv, g, W * Tmax, D].
-        qall = _all_gather(_pad_t(q, tmax, 2), world, group)
-        qall = qall.view(world, hkv, g, tmax, d).permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, d)
+        qall = qall.permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, d)
         acc = _acc(q)
         o_loc = torch.zeros(1, hkv, g, world * tmax, dv, dtype=acc, device=q.device)
         lse_loc = torch.full((1, hkv, g, world * tmax), float("-inf"), dtype=acc, device=q.device)
@@ -465,11 +511,10 @@ class _ShardedPrefixAttention(torch.autograd.Function):
             part_out, part_lse, extra = _part_forward(kind, qall, pk, pv, scale)
             _logaddexp_into(o_loc, lse_loc, part_out, part_lse)
             extras.append(extra)
-        later = (shards.rank + 1) * tmax  # context-parallel round: the queries of later ranks also see this chunk
-        in_round = shards.in_round and later < world * tmax
-        if in_round:
-            part_out, part_lse, extra = _part_forward(kind, qall[:, :, :, later:].contiguous(), k, v, scale)
-            _logaddexp_into(o_loc[:, :, :, later:], lse_loc[:, :, :, later:], part_out, part_lse)
+        for b, n in [] if split is None else split.later:  # later ranks' first queries, to this rank's chunk
+            rows = slice(b * tmax, b * tmax + n)
+            part_out, part_lse, extra = _part_forward(kind, qall[:, :, :, rows].contiguous(), k, v, scale)
+            _logaddexp_into(o_loc[:, :, :, rows], lse_loc[:, :, :, rows], part_out, part_lse)
             extras.append(extra)
         packed = torch.cat([o_loc, lse_loc[..., None]], dim=-1).view(hkv, g, world, tmax, dv + 1)
         received = _all_to_all(packed.permute(2, 0, 1, 3, 4), group)[:, :, :, :t]  # [W, Hkv, g, T, Dv + 1]
@@ -481,17 +526,30 @@ class _ShardedPrefixAttention(torch.autograd.Function):
             o_self, lse_self, extra = _kernel_forward(kind, q.contiguous(), ke, ve, True, scale)
             o_self, lse_self = o_self.view(1, hkv, g, t, dv).to(acc), lse_self.view(1, hkv, g, t).to(acc)
             extras.append(extra)
+        if earlier is not None:  # this rank's last queries, to the round's earlier chunks
+            own = split.own
+            qf = q.view(1, hkv, g, t, d)[:, :, :, own:].contiguous()
+            part_out, part_lse, extra = _part_forward(kind, qf, *earlier, scale)
+            _logaddexp_into(o_self[:, :, :, own:], lse_self[:, :, :, own:], part_out, part_lse)
+            extras.insert(-1, extra)
         lses = torch.cat([lse_self, received[..., dv]], dim=0)  # [W + 1, Hkv, g, T]
         lse = torch.logsumexp(lses, dim=0, keepdim=True)  # [1, Hkv, g, T], finite: each query sees its own key
         weights = torch.exp(lses - lse)[..., None]
         out = (weights * torch.cat([o_self, received[..., :dv]], dim=0)).sum(0, keepdim=True)  # [1, Hkv, g, T, Dv]
-        return out, lse, extras, in_round
+        return out, lse, extras, split
 
     @staticmethod
     @autocast_off
     def backward(ctx, grad_out):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
-        shards, scale, lengths, kind, extras = ctx.shards, ctx.scale, ctx.lengths, ctx.kind, ctx.extras
+        shards, scale, lengths, kind, extras, split = (
+            ctx.shards,
+            ctx.scale,
+            ctx.lengths,
+            ctx.kind,
+            ctx.extras,
+            ctx.split,
+        )
         world, group = shards.world, shards.group
         _, hq, t, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
@@ -529,12 +587,41 @@ class _ShardedPrefixAttention(torch.autograd.Function):
         mine = torch.cat([q.view(1, hkv, g, t, d).to(acc), dout, middle, lse[..., None]], dim=-1)
         mine = _pad_t(mine, tmax, 3)
         width = mine.shape[-1]
-        theirs = _all_gather(mine, world, group)  # [W, Hkv, g, Tmax, width]
+        if split is None:
+            theirs = _all_gather(mine, world, group)  # [W, Hkv, g, Tmax, width]
+        else:  # with every rank's keys and values (`_RoundSplit`), in the accumulation dtype
+            keys = [_pad_t(x, tmax, 2).to(acc).reshape(-1) for x in (k, v)]
+            everyone = _all_gather(torch.cat([mine.reshape(-1), *keys])[None], world, group)
+            theirs, kall, vall = everyone.split([mine.numel(), *(x.numel() for x in keys)], dim=1)
+            theirs = theirs.view(world, hkv, g, tmax, width)
         theirs = theirs.permute(1, 2, 0, 3, 4).reshape(1, hkv, g, world * tmax, width)
-        qall = theirs[..., :d].to(q.dtype)
-        dout_all, lse_all = theirs[..., d : d + dv], theirs[..., -1]
-        delta_all = theirs[..., d + dv] if kind is None else None
-        out_all = None if kind is None else theirs[..., d + dv : d + 2 * dv]
+        # Contiguous once here, rather than once per part in `_part_backward`.
+        qall = theirs[..., :d].to(q.dtype).contiguous()
+        dout_all, lse_all = theirs[..., d : d + dv].contiguous(), theirs[..., -1].contiguous()
+        delta_all = theirs[..., d + dv].contiguous() if kind is None else None
+        out_all = None if kind is None else theirs[..., d + dv : d + 2 * dv].contiguous()
+        # Context-parallel round: this rank's last queries against the round's earlier chunks, whose key and value
+        # gradients go back to their owners with the query gradients below.
+        earlier_grads = None
+        if split is not None and split.earlier:
+            keys, values = split.earlier_keys(kall.view(world, hkv, tmax, d), vall.view(world, hkv, tmax, dv))
+            rows = (slice(None), slice(None), slice(None), slice(split.own, None))
+            dq_own = torch.zeros(dq[rows].shape, dtype=acc, device=q.device)
+            earlier_grads = _part_backward(
+                kind,
+                extras[-2],
+                q.view(1, hkv, g, t, d)[rows].contiguous(),
+                keys.to(q.dtype),
+                values.to(v.dtype),
+                dout[rows],
+                out[rows],
+                lse[rows],
+                delta[rows],
+                scale,
+                True,
+                dq_own,
+            )
+            dq[rows] += dq_own
         dq_all = torch.zeros(qall.shape, dtype=acc, device=q.device)
         prefix_grads = []
         for i, (pk, pv) in enumerate(zip(prefix[0::2], prefix[1::2], strict=True)):
@@ -542,14 +629,13 @@ class _ShardedPrefixAttention(torch.autograd.Function):
             prefix_grads += _part_backward(
                 kind, extras[i], qall, pk, pv, dout_all, out_all, lse_all, delta_all, scale, need, dq_all
             )
-        if ctx.in_round:
-            # This rank's own keys, seen by the later ranks' queries of the round.
-            later = (shards.rank + 1) * tmax
-            rows = (slice(None), slice(None), slice(None), slice(later, None))
+        for m, (b, n) in enumerate([] if split is None else split.later):
+            # This rank's own keys, seen by the first queries of a later rank of the round.
+            rows = (slice(None), slice(None), slice(None), slice(b * tmax, b * tmax + n))
             dq_later = torch.zeros(qall[rows].shape, dtype=acc, device=q.device)
             dk_late, dv_late = _part_backward(
                 kind,
-                extras[len(prefix) // 2],
+                extras[len(prefix) // 2 + m],
                 qall[rows].contiguous(),
                 k,
                 v,
@@ -563,9 +649,25 @@ class _ShardedPrefixAttention(torch.autograd.Function):
             )
             dq_all[rows] += dq_later
             dk, dvv = dk + dk_late, dvv + dv_late
-        # Each rank's share of every rank's query gradient goes back to the query owner.
+        # Each rank's share of every rank's query gradient goes back to the query owner, with (in a round) the
+        # gradients of the earlier chunks' keys and values to their owners.
         shares = dq_all.view(hkv, g, world, tmax, d).permute(2, 0, 1, 3, 4)
-        dq = dq + _all_to_all(shares, group).sum(0, keepdim=True)[:, :, :, :t]
+        if split is None:
+            dq = dq + _all_to_all(shares, group).sum(0, keepdim=True)[:, :, :, :t]
+            return None, None, None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
+        kv_grads = torch.zeros(world, hkv, tmax, d + dv, dtype=acc, device=q.device)
+        if earlier_grads is not None:
+            start = 0
+            for a, n in split.earlier:
+                kv_grads[a, :, :n, :d] = earlier_grads[0][0, :, start : start + n]
+                kv_grads[a, :, :n, d:] = earlier_grads[1][0, :, start : start + n]
+                start += n
+        received = _all_to_all(torch.cat([shares.reshape(world, -1), kv_grads.view(world, -1)], dim=1), group)
+        dq_shares, kv_shares = received.split([shares[0].numel(), kv_grads[0].numel()], dim=1)
+        dq = dq + dq_shares.view(world, hkv, g, tmax, d).sum(0, keepdim=True)[:, :, :, :t]
+        kv_in = kv_shares.view(world, hkv, tmax, d + dv).sum(0)[None, :, :t]  # [1, Hkv, T, D + Dv]
+        dk = (dk.to(acc) + kv_in[..., :d]).to(k.dtype)
+        dvv = (dvv.to(acc) + kv_in[..., d:]).to(v.dtype)
         return None, None, None, None, dq.view(q.shape).to(q.dtype), dk, dvv, *prefix_grads
 
 
