@@ -3,6 +3,7 @@ multi-process workers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -152,7 +153,8 @@ class Launch:
 
     def _end(self) -> None:
         # torchrun starts each worker in a session of its own: SIGTERM makes it end them before it exits.
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+            os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
