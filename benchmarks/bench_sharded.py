@@ -13,8 +13,17 @@ Per process (the larger of the two ranks): the step's wall time and CPU time (`t
 contention does not inflate as it does wall time), the prefill and reverse-pass time, the tokens each decoder layer's
 MLP ran in the step (forward calls, gradient-checkpointing recomputes included), the prompt state held
 (`longstraw/state_gib`), and the growth of the resident set during the step (peak RSS of the step minus RSS before
-it, as `bench_step.py` measures it). Each process runs one torch thread, so the 2-process setups use the 2 cores of
-the machine. The driver prints a table with the ratios to `1 process` and writes `benchmarks/SHARDED.md`.
+it, as `bench_step.py` measures it).
+
+Waits, from CPU time (`critical_path`): every collective of `torch.distributed` is timed on each rank, which cuts the
+step into the same sequence of segments on every rank (compute up to a collective, the collective itself). The
+*critical path* is the sum over segments of the largest rank's CPU time: the step's wall time on a machine where
+each rank has a core of its own and a collective costs its CPU time, whatever the load. A rank's *wait* is the
+critical path minus its own CPU time (the time it would spend blocked in collectives for the other rank). DDP's
+gradient reduction runs in its C++ reducer, outside these marks: the last segment of the backward includes it.
+
+Each process runs one torch thread, so the 2-process setups use the 2 cores of the machine. The driver prints a table
+with the ratios to `1 process` and writes `benchmarks/SHARDED.md`.
 
 Priority: Linux's autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`) shares the CPU between sessions,
 and `nice` only orders the processes inside one. `torchrun` starts each worker in a session of its own, so every
@@ -121,6 +130,7 @@ def worker(args) -> None:
         mlp_tokens[0] += inputs[0].shape[0] * inputs[0].shape[1]
 
     hooks = [layer.mlp.register_forward_pre_hook(count) for layer in layers]
+    marks = _time_collectives(dist)
     warm = local(min(args.P, 2 * args.chunk + 1))
     trainer.training_step(model, warm, warm["num_items_in_batch"])
     trainer.model.zero_grad(set_to_none=False)
@@ -131,9 +141,12 @@ def worker(args) -> None:
     baseline = _rss()
     mlp_tokens[0] = 0
     with PeakRSS(baseline, 1 << 62, lambda growth: None) as peak:
+        marks.clear()
         t0, c0 = time.perf_counter(), time.process_time()
         trainer.training_step(model, batch, batch["num_items_in_batch"])
-        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        seconds, c1 = time.perf_counter() - t0, time.process_time()
+        cpu_seconds = c1 - c0
+    critical, waits = critical_path([c0, *marks, c1], world, dist)
     for hook in hooks:
         hook.remove()
     metrics = trainer._metrics["train"]
@@ -146,6 +159,8 @@ def worker(args) -> None:
         "prefill_s": metrics["longstraw/prefill_s"][-1],
         "reverse_s": metrics["longstraw/reverse_s"][-1],
         "nice": nice,
+        "critical_s": critical,
+        "wait_s": max(waits),
     }
     records = [record]
     if world > 1:
@@ -156,6 +171,40 @@ def worker(args) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _time_collectives(dist) -> list[float]:
+    """Wraps every collective of `dist` used by the step so that it appends `time.process_time()` before and after
+    it to the returned list (in the order the collectives run; the same order on every rank)."""
+    marks: list[float] = []
+    names = ["all_reduce", "all_gather_into_tensor", "all_to_all_single", "broadcast", "all_gather_object", "barrier"]
+    for name in names + ["all_gather", "reduce_scatter_tensor"]:
+        collective = getattr(dist, name)
+
+        def timed(*args, _collective=collective, **kwargs):
+            marks.append(time.process_time())
+            try:
+                return _collective(*args, **kwargs)
+            finally:
+                marks.append(time.process_time())
+
+        setattr(dist, name, timed)
+    return marks
+
+
+def critical_path(marks: list[float], world: int, dist) -> tuple[float, list[float]]:
+    """`(critical path, waits per rank)` in CPU seconds from this rank's `marks` (the step's start, each collective's
+    entry and exit, the step's end; see the module docstring). Collective (one all-gather of Python objects, run with
+    the original function): every rank calls it after the step."""
+    segments = [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)]
+    if world == 1:
+        return sum(segments), [0.0]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, segments)
+    if len({len(e) for e in everyone}) != 1:
+        raise RuntimeError(f"the ranks ran different numbers of collectives: {[len(e) for e in everyone]}")
+    critical = sum(max(column) for column in zip(*everyone, strict=True))
+    return critical, [critical - sum(e) for e in everyone]
 
 
 # --------------------------------------------------------------------------------------------------------- driver
@@ -190,8 +239,9 @@ def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
         f"### {family}",
         "",
         "| P | setup | step s | step CPU s | prefill s | reverse s | MLP tokens per layer | prompt state MiB "
-        "| step RSS growth MiB | state vs 1 process | growth vs 1 process | time vs 1 process | CPU vs 1 process |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| step RSS growth MiB | state vs 1 process | growth vs 1 process | time vs 1 process | CPU vs 1 process "
+        "| critical path CPU s | wait CPU s | critical path vs 1 process CPU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in sorted({r["P"] for r in records if r["family"] == family}):
         one = get("1 process", p)
@@ -202,7 +252,8 @@ def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
                 f"| {r['reverse_s']:.2f} | {r['mlp_tokens']:,.0f} | {r['state_bytes'] / 2**20:.1f} "
                 f"| {r['growth_bytes'] / 2**20:.1f} | {r['state_bytes'] / one['state_bytes']:.2f}x "
                 f"| {r['growth_bytes'] / one['growth_bytes']:.2f}x | {r['time_s'] / one['time_s']:.2f}x "
-                f"| {r['cpu_s'] / one['cpu_s']:.2f}x |"
+                f"| {r['cpu_s'] / one['cpu_s']:.2f}x | {r['critical_s']:.2f} | {r['wait_s']:.2f} "
+                f"| {r['critical_s'] / one['cpu_s']:.2f}x |"
             )
     return lines + [""]
 

@@ -411,7 +411,8 @@ def stage_env(args, results: Results) -> None:
 
 # ------------------------------------------------------------------------------------------------- kernels stage
 def timed(fn, device: str, repeat: int = 3):
-    """`(result of the last call, median seconds of `repeat` calls)`, after one warm-up call (Triton compiles then)."""
+    """`(result of the last call, median seconds of `repeat` calls)`, after one warm-up call (Triton compiles then).
+    `--tiny` times one call: its CPU times are no measurement, only a test of this script."""
     import torch
 
     fn()
@@ -473,6 +474,7 @@ def dsa_check(device: str, tiny: bool, results: Results) -> None:
         return
     dsa_kernels.ON_CPU = device == "cpu"  # CPU: Triton's interpreter (TRITON_INTERPRET=1, set by main)
     g = torch.Generator(device=device).manual_seed(0)
+    repeat = 1 if tiny else 3
     bf16 = torch.bfloat16
 
     # Selection: S queries of a prefill chunk after two record chunks; GLM-5's indexer (32 heads of 128, top 2048).
@@ -493,8 +495,8 @@ def dsa_check(device: str, tiny: bool, results: Results) -> None:
         args = (q, weights, keys, query_start, topk, scale)
         try:
             with dsa_kernels_off():
-                ref, ref_s = timed(lambda args=args: glm.select_topk(*args), device)
-            got, got_s = timed(lambda args=args: dsa_kernels.select_topk(*args), device)
+                ref, ref_s = timed(lambda args=args: glm.select_topk(*args), device, repeat)
+            got, got_s = timed(lambda args=args: dsa_kernels.select_topk(*args), device, repeat)
             chosen = torch.zeros(s, total + 1, dtype=torch.bool, device=device)
             chosen.scatter_(1, torch.where(ref >= 0, ref, total), True)
             found = chosen.gather(1, torch.where(got >= 0, got, total)) & (got >= 0)
@@ -545,8 +547,8 @@ def dsa_check(device: str, tiny: bool, results: Results) -> None:
         with dsa_kernels_off():
             fp32 = [x.float() if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs]
             ref_outs, ref_grads = fwd_bwd(glm._SparseLatentAttention, fp32)
-            _, ref_s = timed(lambda: fwd_bwd(glm._SparseLatentAttention, inputs), device)
-        (outs, grads), got_s = timed(lambda: fwd_bwd(dsa_kernels.SparseLatentAttention, inputs), device)
+            _, ref_s = timed(lambda: fwd_bwd(glm._SparseLatentAttention, inputs), device, repeat)
+        (outs, grads), got_s = timed(lambda: fwd_bwd(dsa_kernels.SparseLatentAttention, inputs), device, repeat)
         errors = _rel_errors(names, [*outs, *grads], [*ref_outs, *ref_grads])
         ok, error = max(errors.values()) <= ATTN_RTOL_BF16, None
     except Exception as e:
@@ -577,6 +579,7 @@ def gdn_check(device: str, tiny: bool, results: Results) -> None:
     g = torch.Generator(device=device).manual_seed(0)
     bf16 = torch.bfloat16
     t, hk, hv, d = (37, 2, 4, 16) if tiny else (4096, 16, 48, 128)
+    repeat = 1 if tiny else 3
 
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, generator=g, device=device) * scale
@@ -611,8 +614,8 @@ def gdn_check(device: str, tiny: bool, results: Results) -> None:
 
         try:
             ref_outs, ref_grads = fwd_bwd(reference, high_inputs)
-            (outs, grads), got_s = timed(lambda fn=fast, xs=low_inputs: fwd_bwd(fn, xs), device)
-            _, ref_s = timed(lambda fn=reference, xs=low_inputs: fwd_bwd(fn, xs), device)
+            (outs, grads), got_s = timed(lambda fn=fast, xs=low_inputs: fwd_bwd(fn, xs), device, repeat)
+            _, ref_s = timed(lambda fn=reference, xs=low_inputs: fwd_bwd(fn, xs), device, repeat)
             labels = names if name == "delta rule" else ["out", "grad x", "grad weight", "grad history"]
             errors = _rel_errors(labels, [*outs, *grads], [*ref_outs, *ref_grads])
             ok, error = max(errors.values()) <= ATTN_RTOL_BF16, None

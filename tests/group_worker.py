@@ -25,6 +25,10 @@ The ranks generate once more offering the prompt states to an exact-mode loss pa
 chunk boundaries after each prompt's left padding).
 
 Rank 0 writes the full (gathered) parameter gradients and every rank's records to `OUT`.
+
+`expert_parallel` (a case of its own, `group_worker:expert_parallel`) runs the MoE model (glm_moe_dsa) loaded
+expert-parallel by the trainer over all 4 processes (`EP_SIZE`: one expert per rank, the EP group spanning both shard
+groups) with the same shard groups: the same gradient scenarios and generation.
 """
 
 from __future__ import annotations
@@ -101,10 +105,12 @@ def rank_eos(free: list[list[int]], rank: int, pad: int) -> list[int]:
     return [pad]
 
 
-def generate_in_lockstep(trainer, fsdp, log: list) -> dict:
+def generate_in_lockstep(trainer, fsdp, log: list, reference=None) -> list[dict]:
     """Greedy completions of this rank's `GEN_ROWS` from the FSDP2 model `fsdp` with the trainer's engine (shard
-    groups of 2, in the world lockstep) and from transformers' `generate` on the unsharded `trainer.model`; every
-    rank's results, the FSDP2 collectives of the decoding and whether the parameters stayed DTensors."""
+    groups of 2, in the world lockstep) and from transformers' `generate` on the unsharded `reference` (default
+    `trainer.model`); every rank's results, the FSDP2 collectives of the decoding and whether the parameters stayed
+    DTensors."""
+    reference = trainer.model if reference is None else reference
     from torch.distributed.tensor import DTensor
     from transformers import GenerationConfig
 
@@ -130,14 +136,14 @@ def generate_in_lockstep(trainer, fsdp, log: list) -> dict:
             disable_compile=True,
         )
 
-    def reference(eos: list[int]) -> list[list[int]]:
+    def stock(eos: list[int]) -> list[list[int]]:
         with torch.no_grad():
-            out = trainer.model.generate(input_ids=padded, attention_mask=mask, generation_config=config(eos))
+            out = reference.generate(input_ids=padded, attention_mask=mask, generation_config=config(eos))
         return trim_after_eos(out[:, width:], eos)
 
-    free = reference([pad])
+    free = stock([pad])
     eos = rank_eos(free, rank, pad)
-    expected = reference(eos)
+    expected = stock(eos)
     assert trainer._shared_generation, "the trainer generates with transformers' generate"
     engine = trainer._engine(fsdp)
     assert engine.lockstep and engine.shards is not None and engine.shards.world < dist.get_world_size()
@@ -166,6 +172,17 @@ def generate_in_lockstep(trainer, fsdp, log: list) -> dict:
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone
+
+
+def full_grads(model) -> dict[str, torch.Tensor | None]:
+    """Every parameter's whole gradient, gathered from its DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[name] = None if g is None else g.detach().clone()
+    return grads
 
 
 def main(model_path: str, batches_path: str, out_path: str) -> None:
@@ -226,11 +243,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         fsdp.gradient_checkpointing_disable()
         assert trainer._engine(fsdp).lockstep, "the engine does not pad the groups' passes"
         assert all(isinstance(p, DTensor) for p in fsdp.parameters()), "parameters left unsharded"
-        grads = {}
-        for pname, p in fsdp.named_parameters():
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            grads[pname] = None if g is None else g.detach().clone()
-        per_family["grads"][name] = grads
+        per_family["grads"][name] = full_grads(fsdp)
         per_family["collectives"][name] = log[start:]
         per_family["gathered"][name] = most_gathered()
     everyone: list = [None] * world
@@ -244,4 +257,75 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     }
     if rank == 0:
         torch.save(results, out_path)
+    dist.barrier()
+
+
+# Expert parallelism over all 4 processes (1 of the tiny glm_moe_dsa's 4 experts per rank): the EP group spans both
+# shard groups.
+EP_SIZE = 4
+
+
+def expert_parallel(model_path: str, batches_path: str, out_path: str) -> None:
+    """A MoE model loaded expert-parallel by the trainer (`expert_parallel_size=EP_SIZE`, FSDP2 by transformers) with
+    shard groups of 2. Rank 0 writes to `out_path` the gradients of the `exact` and `detached` scenarios, how many
+    experts the expert modules held in their forwards on each rank, and the generation of `generate_in_lockstep`
+    (against `generate` on the model loaded whole)."""
+    os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+    from accelerate import PartialState
+    from datasets import Dataset
+    from dist_worker import count_collectives, rows_of, trainer_config
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from trl_longstraw import LongStrawGRPOTrainer
+    from trl_longstraw.expert_parallel import local_experts
+
+    PartialState()
+    rank = dist.get_rank()
+    assert dist.get_world_size() == WORLD, f"the shard group tests need {WORLD} processes"
+    batches = torch.load(batches_path)
+    log: list = []
+    count_collectives(log)
+    config = trainer_config(
+        tempfile.mkdtemp(),
+        num_generations=8,
+        shard_prompt_state=True,
+        prompt_shard_group_size=GROUP_SIZE,
+        expert_parallel_size=EP_SIZE,
+        save_only_model=True,
+        router_aux_loss_coef=0.0,
+    )
+    dataset = Dataset.from_dict({"prompt": ["a"] * 8})
+    trainer = LongStrawGRPOTrainer(model_path, lambda completions, **kw: [0.0] * len(completions), config, dataset)
+    assert trainer._prompt_shards is not None and trainer._prompt_shards.world == GROUP_SIZE
+    model = trainer.model
+    assert all(isinstance(p, DTensor) for p in model.parameters()), "FSDP2/EP is not active on every parameter"
+    trainer._prepare_inputs = lambda x: x
+    trainer.current_gradient_accumulation_steps = 1
+    # The experts each expert module holds while it runs: 1 of 4 if they are never gathered across the EP group.
+    experts: set[int] = set()
+
+    def watch(module, args):
+        experts.add(module.gate_up_proj.to_local().shape[0])
+
+    for name in local_experts(model):
+        model.get_submodule(name).register_forward_pre_hook(watch)
+    grads = {}
+    for name, mode, micro_batches in [("exact", "exact", "GH"), ("detached", "detached", "G")]:
+        model.zero_grad(set_to_none=True)
+        trainer.args.prompt_gradient = mode
+        if mode == "exact":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for i, key in enumerate(micro_batches):
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            trainer.training_step(model, rows_of(batches[key], rank), batches[key]["num_items_in_batch"])
+        model.gradient_checkpointing_disable()
+        assert trainer._engine(model).lockstep, "the engine does not pad the groups' passes"
+        grads[name] = full_grads(model)
+    whole = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    generation = generate_in_lockstep(trainer, model, log, whole)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(experts))
+    if rank == 0:
+        torch.save({"grads": grads, "experts": everyone, "generation": generation}, out_path)
     dist.barrier()

@@ -41,12 +41,13 @@ def test_parse_reads_the_yaml_and_flags_override_it():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1300)  # about a minute on an idle machine; the two runs' limits are for a crowded one
 def test_installed_command_runs_outside_the_checkout(tmp_path):
     """`pip install .` (here into a target folder, without dependencies: they are this environment's), then
     `trl-longstraw grpo --config tiny_cpu.yaml --max_steps 2` from a folder outside the checkout, which must import
-    the installed copy and leave the final model in its output_dir; then the launch line of the config's Hub card
-    (`accelerate launch --cpu -m trl_longstraw.cli grpo ...`)."""
+    the installed copy: two steps of the tiny config (warm-up and held-out accuracy included) through the real
+    command line, with its progress bar, metrics, summary, a checkpoint and the final model in its output_dir; then
+    the launch line of the config's Hub card (`accelerate launch --cpu -m trl_longstraw.cli grpo ...`)."""
     source = tmp_path / "source"
     shutil.copytree(ROOT / "trl_longstraw", source / "trl_longstraw", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
@@ -71,10 +72,23 @@ def test_installed_command_runs_outside_the_checkout(tmp_path):
     assert where.stdout.strip() == str(site / "trl_longstraw" / "__init__.py"), where.stderr
 
     command = [str(site / "bin" / "trl-longstraw"), "grpo", "--config", "tiny_cpu.yaml", "--max_steps", "2"]
-    result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=280)
+    command += ["--num_prompts", "8", "--save_strategy", "steps"]
+    result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "trl_longstraw run summary" in result.stdout
-    assert (work / "outputs" / "tiny-cpu" / "model.safetensors").exists()
+    assert "prompt positions        383 prefilled per micro-batch" in result.stdout
+    assert "peak RSS" in result.stdout
+    assert "prefill:" in result.stderr, "the prefill progress bar shows for prompts of several chunks"
+    output_dir = work / "outputs" / "tiny-cpu"
+    state = json.loads((output_dir / "checkpoint-2" / "trainer_state.json").read_text())
+    logged = [h for h in state["log_history"] if "reward" in h]
+    assert len(logged) == 2
+    for entry in logged:
+        # The loss pass takes generation's prompt state (one prompt per micro-batch, all of the same length).
+        assert entry["longstraw/prompt_positions"] == 0 and entry["longstraw/prompt_positions_reused"] == 383
+        assert entry["longstraw/peak_rss_gib"] > 0 and entry["longstraw/state_gib"] > 0
+        assert entry["longstraw/reverse_s"] > 0
+    assert (output_dir / "model.safetensors").exists()
 
     # The launch line of the config's Hub card, under `accelerate launch -m trl_longstraw.cli`, on the exported copy.
     export(TINY, work / "tiny_cpu")
@@ -84,7 +98,8 @@ def test_installed_command_runs_outside_the_checkout(tmp_path):
     # With `--num_processes 2` added: accelerate's CPU launcher starts one process, which the command says.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", *line.split()[2:]]
     command += ["--max_steps", "1", "--num_prompts", "8", "--output_dir", "launched"]
-    result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=280)
+    command += ["--warmup_sft_steps", "0", "--heldout_prompts", "0"]  # the run above had both
+    result = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "trl_longstraw run summary" in result.stdout
     assert "accelerate launch asked for 2 processes, but 1 runs" in result.stderr

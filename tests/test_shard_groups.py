@@ -6,7 +6,8 @@ tiny qwen3_5 (Gated DeltaNet + gated attention) and a tiny glm_moe_dsa (MLA + DS
 prompts, chunks and completions: the engine pads each group's passes to the world's agreed counts (fillers that do
 not touch the sharded attention), so FSDP2, whose collectives span the world, gathers and frees layer by layer. The
 same launch generates on the FSDP2 model in the world lockstep of generation (`generation.generate_shared`) and checks
-the completions against transformers' `generate`.
+the completions against transformers' `generate`, and runs glm_moe_dsa expert-parallel too (EP over all 4 processes,
+a case of the same launch).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from trl_longstraw.testing import build_tokenizer, save_tiny_model
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
+# The case of the expert-parallel run (glm_moe_dsa).
+EP = "glm_moe_dsa_expert_parallel"
 # Seconds for the whole 4-process launch (3 models): 480 s on 2 cores under a load average of 20-28.
 LAUNCH_TIMEOUT = 900
 # Collectives that FSDP2 issues over the world (per-layer all-gathers, reduce-scatters).
@@ -78,6 +81,8 @@ def launch(models, tmp_path_factory):
     batches = make_group_batches(len(build_tokenizer()))
     torch.save(batches, tmp / "batches.pt")
     cases = {family: ("group_worker", [models[family], tmp / "batches.pt"]) for family in FAMILIES}
+    # The MoE model once more, loaded expert-parallel over all 4 processes (one expert per rank).
+    cases[EP] = ("group_worker:expert_parallel", [models["glm_moe_dsa"], tmp / "batches.pt"])
     with torchrun("the 4-process run", cases, tmp, nproc=WORLD, timeout=LAUNCH_TIMEOUT) as run:
         yield run, {family: single_process_gradients(models[family], batches) for family in FAMILIES}
 
@@ -97,18 +102,23 @@ def reference(launch, family):
 def test_gradients_match_single_process(launch, reference, family, scenario):
     """With 2 shard groups of 2 ranks under FSDP2 over 4 (gradient accumulation in exact mode), every parameter's
     gradient equals the single-process one of the same global batch; no rank hangs although the groups hold different
-    numbers of prompts, chunks and completions."""
-    got = launch[0].result(family)["grads"][scenario]
+    numbers of prompts, chunks and completions. glm_moe_dsa also loaded expert-parallel over all 4 processes
+    (transformers' EP, one expert per rank, never gathered; the EP group spans both shard groups)."""
+    runs = {"fsdp2": launch[0].result(family)["grads"][scenario]}
+    if family == "glm_moe_dsa":
+        runs["expert_parallel"] = launch[0].result(EP)["grads"][scenario]
+        assert launch[0].result(EP)["experts"] == [[1]] * WORLD, "experts were gathered"
     expected = reference[scenario]
-    assert set(got) == set(expected)
     assert any(ref is not None for ref in expected.values())
-    for name, ref in expected.items():
-        if ref is None:  # no gradient at all (glm_moe_dsa's indexer, which runs without autograd as in stock)
-            assert got[name] is None or not got[name].any(), f"{scenario}: {name} got a gradient, stock has none"
-            continue
-        assert got[name] is not None, f"{scenario}: no gradient for {name}"
-        error = ((got[name] - ref).norm() / ref.norm()).item()
-        assert error <= SHARDED_GRAD_RTOL, f"{scenario}: {name} relative error {error:.2e}"
+    for run, got in runs.items():
+        assert set(got) == set(expected)
+        for name, ref in expected.items():
+            if ref is None:  # no gradient at all (glm_moe_dsa's indexer, which runs without autograd as in stock)
+                assert got[name] is None or not got[name].any(), f"{run} {scenario}: {name} got a gradient"
+                continue
+            assert got[name] is not None, f"{run} {scenario}: no gradient for {name}"
+            error = ((got[name] - ref).norm() / ref.norm()).item()
+            assert error <= SHARDED_GRAD_RTOL, f"{run} {scenario}: {name} relative error {error:.2e}"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
@@ -152,8 +162,14 @@ def test_generation_in_world_lockstep(launch, family):
     token while rank 1 steps on in their branch rounds, group 0's within 3 while group 1's run to the maximum (group 0
     runs filler steps), and group 1 has no second prompt (filler prefills and steps). Parameters stay DTensors, and
     every rank issues the same FSDP2 collectives. Offering the states to an exact-mode loss pass as in training
-    (prefilled with chunk boundaries after each prompt's left padding in the batch) gives the same completions."""
-    per_rank = launch[0].result(family)["generation"]
+    (prefilled with chunk boundaries after each prompt's left padding in the batch) gives the same completions. The
+    same holds for glm_moe_dsa loaded expert-parallel over all 4 processes (the experts' all-to-alls meet too)."""
+    _check_generation(launch[0].result(family)["generation"])
+    if family == "glm_moe_dsa":
+        _check_generation(launch[0].result(EP)["generation"])
+
+
+def _check_generation(per_rank: list[dict]) -> None:
     assert len(per_rank) == WORLD
     for rank, result in enumerate(per_rank):
         assert result["got"] == result["expected"], f"rank {rank}: completions differ from generate's"

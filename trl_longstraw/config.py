@@ -69,7 +69,7 @@ class LongStrawGRPOConfig(GRPOConfig):
             through transformers' expert parallelism (`DistributedConfig(ep_size=...)`, the model's
             `base_model_ep_plan`, all-to-all token exchange); every other parameter is sharded by FSDP2 over all
             processes. Experts are never all-gathered. Runs in the engine's lockstep (the prompt state sharded over all
-            processes, or not sharded), not with smaller shard groups; must divide the number of processes and of
+            processes or over smaller shard groups, or not sharded); must divide the number of processes and of
             experts; checkpoints need `save_only_model=True`. `1`: off. See `trl_longstraw/expert_parallel.py`.
         fsdp_cpu_offload (`bool`, *optional*, defaults to `False`):
             With `expert_parallel_size > 1` (transformers shards the model): FSDP2's `CPUOffloadPolicy`, i.e. the
@@ -179,8 +179,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=1,
         metadata={
             "help": "MoE models: spread each MoE layer's experts over groups of this many ranks with transformers' "
-            "expert parallelism (ep_size, all-to-all), the rest sharded by FSDP2. Not with prompt shard groups "
-            "smaller than the world; checkpoints need save_only_model=True. 1: off."
+            "expert parallelism (ep_size, all-to-all), the rest sharded by FSDP2; with or without a sharded prompt "
+            "state, any shard group size. Checkpoints need save_only_model=True. 1: off."
         },
     )
     fsdp_cpu_offload: bool = field(

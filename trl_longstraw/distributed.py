@@ -214,6 +214,21 @@ def fsdp2_gathered(model: torch.nn.Module, sync_pass: Callable[[], None] | None 
         root.reshard()
 
 
+def fsdp2_reshard(model: torch.nn.Module) -> None:
+    """Reshards every FSDP2 module of `model`, after passes without a backward (generation).
+
+    A module that keeps its parameters gathered after its forward for the backward that follows
+    (`reshard_after_forward=False`, e.g. the final norm and LM head that transformers groups under expert parallelism)
+    would otherwise stay gathered through the reward computation. Nothing happens without an FSDP2 module.
+    """
+    cls = _fsdp_module_class()
+    if cls is None:
+        return
+    for module in model.modules():
+        if isinstance(module, cls):
+            module.reshard()
+
+
 def fsdp2_offloads(model: torch.nn.Module) -> bool:
     """Whether FSDP2 keeps the shards of `model`'s parameters in host memory (`CPUOffloadPolicy`: accelerate's
     `fsdp_offload_params`, or `DistributedConfig(fsdp_cpu_offload=True)` under expert parallelism)."""

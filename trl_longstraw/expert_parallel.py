@@ -28,15 +28,18 @@ per-layer FSDP2 in two ways (`Engine.lockstep`), both of which FSDP2 then gather
   output gradient (the engine's replicated passes back-propagate per-rank shares), and the expert's gradient sums
   the shares, as the data-parallel reduction does for every other parameter;
 - without a sharded state, the data-parallel lockstep: the ranks agree on the number of passes of each kind per
-  prompt and pad theirs with one-token filler passes, each of which runs the MoE layers and their all-to-alls too.
+  prompt and pad theirs with one-token filler passes, each of which runs the MoE layers and their all-to-alls too;
+- with shard groups smaller than the world, both: each group runs its own sharded lockstep, padded with the same
+  fillers to the world's pass counts. transformers forms EP groups of consecutive ranks (rank `r` holds the experts
+  of EP rank `r mod E`), so an EP group is a shard group, lies inside one, or spans several (tested on 4 processes
+  with shard groups of 2 and `E = 4`: `tests/test_shard_groups.py`); the replicated passes' per-rank shares of an
+  expert's gradient add up over the EP group as over a shard group.
 
-Shard groups smaller than the world are refused: their passes are padded to the world's as well, but the
-replicated passes' per-rank shares of an expert's gradient across groups are not tested. transformers'
-`ep_implementation="all_reduce"` (every rank runs its own experts on a batch the EP group shares, outputs summed)
-would fit the replicated passes without the duplicate expert compute, but not branch rounds, context-parallel rounds
-or the data-parallel passes, where the ranks hold different tokens; transformers also accepts it only when the EP
-group is a tensor-parallel group (`ep_size == tp_size`), which the engine does not use. So the trainer always asks
-for `"all_to_all"`.
+transformers' `ep_implementation="all_reduce"` (every rank runs its own experts on a batch the EP group shares,
+outputs summed) would fit the replicated passes without the duplicate expert compute, but not branch rounds,
+context-parallel rounds or the data-parallel passes, where the ranks hold different tokens; transformers also accepts
+it only when the EP group is a tensor-parallel group (`ep_size == tp_size`), which the engine does not use. So the
+trainer always asks for `"all_to_all"`.
 
 Host memory (`fsdp_cpu_offload: true`): transformers' `DistributedConfig(fsdp_cpu_offload=True)`, i.e. FSDP2's
 `CPUOffloadPolicy` on every `fully_shard` (experts included): the sharded parameters, their gradients and the
@@ -85,8 +88,7 @@ def check_args(args, world_size: int) -> None:
     """The settings expert parallelism needs, before anything is loaded. `args` is a `LongStrawGRPOConfig`.
 
     Raises:
-        ValueError: naming the fix, when the EP size does not divide the processes, the prompt state is sharded over
-            groups smaller than the world (not tested with the experts' all-to-alls), or checkpoints would need the
+        ValueError: naming the fix, when the EP size does not divide the processes, or checkpoints would need the
             optimizer state.
     """
     ep = args.expert_parallel_size
@@ -96,13 +98,6 @@ def check_args(args, world_size: int) -> None:
         raise ValueError(
             f"expert_parallel_size={ep} must divide the number of processes ({world_size}): e.g. the GPUs of a node "
             f"(8), or all {world_size} processes."
-        )
-    group = args.prompt_shard_group_size
-    if args.shard_prompt_state and group not in (0, world_size):
-        raise ValueError(
-            f"expert_parallel_size > 1 is not supported with shard groups of {group} of the {world_size} processes "
-            "(the experts' all-to-alls across shard groups are untested): set prompt_shard_group_size=0 (one shard "
-            "group of all processes), or shard_prompt_state=False (the data-parallel lockstep)."
         )
     if args.save_strategy != "no" and not args.save_only_model:
         raise ValueError(

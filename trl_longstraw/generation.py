@@ -39,7 +39,7 @@ import torch.distributed as dist
 from transformers import GenerationConfig
 from transformers.generation import GenerationMode
 
-from .distributed import agree_pass_counts, fsdp2_gathered
+from .distributed import agree_pass_counts, fsdp2_gathered, fsdp2_reshard
 from .engine import PREFILL, Engine, Pass, PromptGroup, PromptState, use_pass
 
 SUPPORTED_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
@@ -219,7 +219,9 @@ def shared_prompt_decoder(
         # the backbone, and the layers gather pass by pass (on a rank without a prompt in this slot too:
         # `generate_shared`).
         with fsdp2_gathered(engine.model):
-            return _decode(input_ids, logits_processor, stopping_criteria, generation_config)
+            ids = _decode(input_ids, logits_processor, stopping_criteria, generation_config)
+        fsdp2_reshard(engine.model)  # no backward follows to reshard what FSDP2 keeps gathered after a forward
+        return ids
 
     def _decode(input_ids, logits_processor, stopping_criteria, generation_config: GenerationConfig):
         rows, width = input_ids.shape
@@ -460,6 +462,7 @@ def generate_shared(
             with fsdp2_gathered(engine.model):
                 _filler_prefills(passes, engine, device)
                 _filler_steps(engine, device)
+            fsdp2_reshard(engine.model)
             continue
         tokens, rows = item
         engine.rope.restore(start)

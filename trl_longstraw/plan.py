@@ -337,8 +337,8 @@ def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute
 # prints them, benchmarks/CALIBRATION.md). GLM's DSA top-k selection is an item of its own (`dsa_selection_bytes`).
 # Those runs used the torch fallbacks of Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the
 # fla and Triton kernels hold less. Model types without their own entry use the KV-cache families' (llama's). On CPU
-# (fp32, PyTorch's CPU flash-attention kernel) the reverse pass of llama and qwen3_5 holds more than these multiples
-# say (benchmarks/CALIBRATION.md): the multiples are CUDA figures.
+# the reverse pass of dense models is itemized instead (`reverse_bytes`); MoE models keep these multiples there too,
+# which are CUDA figures (benchmarks/CALIBRATION.md: GLM's CPU rows are below them).
 ACTIVATION_MULTIPLES = {
     "llama": (1.25, 1.75),
     "glm_moe_dsa": (0.5, 2.0),
@@ -407,7 +407,7 @@ def dsa_selection_bytes(stats: ModelStats, queries: int, keys: int) -> int:
 #     `DELTA_RULE_BLOCK_MATRICES` `[block, block]` per block (decays, UT system, scores); from the second group on,
 #     also the previous group's terms, which the scan's loop variables keep (`DELTA_RULE_TERMS`: decayed query and
 #     key, k_cumdecay `[Dk]`, new values `[Dv]`, the intra-block scores), and the earlier groups' block outputs
-#     `[Dv]` per token;
+#     `[Dv]` per token (the largest over the groups: the last one may be shorter);
 #   - the final stack: the block outputs and their stack `[Dv]` per chunk token, and the last group's terms.
 PREFILL_RESIDUAL_TENSORS = 4
 PREFILL_MLP_TENSORS = 3
@@ -427,19 +427,22 @@ def delta_rule_group(tokens: int, v_dim: int) -> int:
 
 def delta_rule_prefill_bytes(chunk: int, heads: int, k_dim: int, v_dim: int) -> int:
     """Bytes of the fp32 work tensors of the no-grad delta rule over a `chunk`-token chunk (see
-    `PREFILL_RESIDUAL_TENSORS`): `heads` value heads of key width `k_dim` and value width `v_dim`."""
+    `PREFILL_RESIDUAL_TENSORS`): `heads` value heads of key width `k_dim` and value width `v_dim`. The largest over
+    the chunk's groups (the last one may be shorter) and the final stack."""
     from .qwen3_5 import DELTA_RULE_BLOCK
 
     group = delta_rule_group(chunk, v_dim)
+    sizes = [min(group, chunk - start) for start in range(0, chunk, group)]
     key, value, blocks = DELTA_RULE_TERMS
     terms = key * k_dim + value * v_dim + blocks * DELTA_RULE_BLOCK
     inputs = DELTA_RULE_KEY_VECTORS * k_dim + DELTA_RULE_VALUE_VECTORS * v_dim
-    scores = group * (inputs + DELTA_RULE_BLOCK_MATRICES * DELTA_RULE_BLOCK)
-    if group < chunk:
-        scores += group * terms + (chunk - group) * v_dim
-    last = chunk - (-(-chunk // group) - 1) * group
-    stack = 2 * chunk * v_dim + last * terms
-    return heads * 4 * max(scores, stack)
+    peak = sizes[0] * (inputs + DELTA_RULE_BLOCK_MATRICES * DELTA_RULE_BLOCK)
+    for i in range(1, len(sizes)):
+        # The group's scores, the previous group's terms and the earlier groups' block outputs.
+        scores = sizes[i] * (inputs + DELTA_RULE_BLOCK_MATRICES * DELTA_RULE_BLOCK)
+        peak = max(peak, scores + sizes[i - 1] * terms + sum(sizes[:i]) * v_dim)
+    stack = 2 * chunk * v_dim + sizes[-1] * terms
+    return heads * 4 * max(peak, stack)
 
 
 def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | None:

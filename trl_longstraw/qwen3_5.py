@@ -445,38 +445,38 @@ def _round_core(
     width, tmax = self.conv_kernel_size - 1, max(lengths)
     k_heads, v_heads = self.num_k_heads // world, self.num_v_heads // world
     k_width, v_width = k_heads * self.head_k_dim, v_heads * self.head_v_dim
-    device = projected.device
+    # The conv channels are the queries, keys and values of all heads `[Hk * Dk | Hk * Dk | Hv * Dv]`; rank `r`'s
+    # heads are the `r`-th of W equal slices of each part.
+    parts = [self.key_dim, self.key_dim, self.value_dim]
+    widths = [k_width, k_width, v_width]
 
-    def channels(r: int) -> torch.Tensor:
-        """The conv channels of rank `r`'s heads: its queries, keys, then values."""
-        q = torch.arange(r * k_width, (r + 1) * k_width, device=device)
-        return torch.cat(
-            [q, self.key_dim + q, 2 * self.key_dim + torch.arange(r * v_width, (r + 1) * v_width, device=device)]
-        )
+    def by_rank(x: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        """The parts of the channels `dim` of `x`, each `[..., W, part / W, ...]` (a view)."""
+        return [part.unflatten(dim, (world, width)) for part, width in zip(x.split(parts, dim), widths, strict=True)]
 
-    def heads(r: int) -> slice:
-        return slice(r * v_heads, (r + 1) * v_heads)
+    def own(x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's channels `dim` of `x`: its queries, keys, then values."""
+        return torch.cat([part.select(dim, rank) for part in by_rank(x, dim)], dim=dim)
 
-    send = torch.stack(
-        [
-            pad_tokens(torch.cat([projected[0][:, channels(r)], a[0][:, heads(r)], b[0][:, heads(r)]], dim=-1), tmax)
-            for r in range(world)
-        ]
-    )  # [W, Tmax, C / W + 2 Hv / W]: slice r for rank r
+    heads = slice(rank * v_heads, (rank + 1) * v_heads)
+    # [W, Tmax, C / W + 2 Hv / W]: slice r for rank r (its heads' channels, decay and write-strength inputs).
+    send = torch.cat(
+        [*by_rank(projected[0], 1), a[0].unflatten(1, (world, v_heads)), b[0].unflatten(1, (world, v_heads))], dim=-1
+    )
+    send = pad_tokens(send, tmax).transpose(0, 1)
     received = exchange(send, group)  # slice s: this rank's heads of rank s's tokens
     sequence = torch.cat([received[s, :n] for s, n in enumerate(lengths)])  # [N, ...], the round in order
     conv_in, a_mine, b_mine = sequence.split([2 * k_width + v_width, v_heads, v_heads], dim=-1)
-    mine = channels(rank)
-    past = None if history is None else history[:, mine]
-    bias = None if self.conv1d.bias is None else self.conv1d.bias[mine]
-    mixed = causal_conv(conv_in[None].to(projected.dtype), self.conv1d.weight[mine], bias, self.activation, past)[0]
+    past = None if history is None else own(history, 1)
+    bias = None if self.conv1d.bias is None else own(self.conv1d.bias, 0)
+    mixed = causal_conv(conv_in[None].to(projected.dtype), own(self.conv1d.weight, 0), bias, self.activation, past)[0]
     query, key, value = mixed.split([k_width, k_width, v_width], dim=-1)
     query = query.reshape(-1, k_heads, self.head_k_dim)
     key = key.reshape(-1, k_heads, self.head_k_dim)
     value = value.reshape(-1, v_heads, self.head_v_dim)
     beta = b_mine.to(b.dtype).sigmoid()
-    g = -self.A_log[heads(rank)].float().exp() * F.softplus(a_mine.to(a.dtype).float() + self.dt_bias[heads(rank)])
-    state = None if initial_state is None else initial_state[:, heads(rank)]
+    g = -self.A_log[heads].float().exp() * F.softplus(a_mine.to(a.dtype).float() + self.dt_bias[heads])
+    state = None if initial_state is None else initial_state[:, heads]
     outputs, states, ends = [], [], []
     start = 0
     for n in lengths:  # chunk after chunk, as one process runs them
@@ -497,11 +497,11 @@ def _round_core(
         packed = torch.cat([tails.float().flatten(1), torch.stack(states).flatten(1)], dim=-1)
         everyone = gather(packed, world, group)  # [W ranks, W chunks, ...]
         split = width * tails.shape[-1]
-        order = torch.cat([channels(r) for r in range(world)])
         records = []
         for s in range(len(lengths)):
-            tail_parts = everyone[:, s, :split].reshape(world, width, -1).transpose(0, 1).reshape(width, -1)
-            tail = tail_parts.new_zeros(width, self.conv_dim).index_copy(1, order, tail_parts)
+            # [width, W, C / W] (rank r's channels in slice r) -> [width, C], each part's heads in rank order.
+            tail_parts = everyone[:, s, :split].reshape(world, width, -1).transpose(0, 1)
+            tail = torch.cat([x.flatten(1) for x in tail_parts.split(widths, dim=-1)], dim=-1)
             whole_state = everyone[:, s, split:].reshape(1, self.num_v_heads, self.head_k_dim, self.head_v_dim)
             records.append((tail.t()[None].to(projected.dtype), whole_state))
         p.emit_round(self.layer_idx, records)
