@@ -3,6 +3,7 @@ multi-process workers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -152,7 +153,8 @@ class Launch:
 
     def _end(self) -> None:
         # torchrun starts each worker in a session of its own: SIGTERM makes it end them before it exits.
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+            os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -193,3 +195,13 @@ def torchrun(what: str, cases: dict[str, tuple[str, list]], tmp: Path, nproc: in
     yields it inside `with`), so that it is ended if no test asks for its results.
     """
     return Launch(what, cases, tmp, nproc, timeout)
+
+
+def selected(request, name: str) -> bool:
+    """Whether this session runs the test function `name` (any of its parametrizations) of the requesting fixture's
+    module: a launch started with a module's first test, so that it runs while the module's single-process tests do,
+    is started only when a test will ask for its results."""
+    return any(
+        getattr(item, "module", None) is request.module and getattr(item, "originalname", None) == name
+        for item in request.session.items
+    )

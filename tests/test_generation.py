@@ -9,16 +9,29 @@ from peft import LoraConfig
 from tolerances import LOGP_ATOL
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from tests.helpers import torchrun
+from tests.helpers import selected, torchrun
 from trl_longstraw.engine import PromptGroup
 from trl_longstraw.generation import generation_config_for_decoder, shared_prompt_decoder
 from trl_longstraw.testing import save_tiny_model
 
 GREEDY = {"do_sample": False}
-# The 2-process decoding test (tests/decode_worker.py): its families, and seconds for their one launch (it was 360 s
-# per family).
+# The 2-process decoding test (tests/decode_worker.py): its families, and seconds for their one launch, which runs
+# beside the single-process tests (it was 360 s per family).
 DECODE_FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
-DECODE_TIMEOUT = 900
+DECODE_TIMEOUT = 1200
+
+
+@pytest.fixture(scope="module", autouse=True)
+def decode_launch(request, tiny_model_path, tmp_path_factory):
+    """tests/decode_worker.py on 2 processes for every decoding family, in one launch, started with the module's first
+    test so that it runs while the single-process tests do (if the session runs the 2-process test)."""
+    if not selected(request, "test_decoding_against_a_sharded_prompt_state"):
+        yield None
+        return
+    cases = {family: ("decode_worker", [tiny_model_path(family)]) for family in DECODE_FAMILIES}
+    tmp = tmp_path_factory.mktemp("decode")
+    with torchrun("the 2-process decoding", cases, tmp, nproc=2, timeout=DECODE_TIMEOUT) as run:
+        yield run
 
 
 def tokenize(trainer, prompts):
@@ -325,15 +338,6 @@ def test_generation_path_on_two_processes(tiny_model_path, monkeypatch, fsdp, sh
     ours._choose_generation()
     assert ours._shared_generation
     assert not warnings
-
-
-@pytest.fixture(scope="module")
-def decode_launch(tiny_model_path, tmp_path_factory):
-    """tests/decode_worker.py on 2 processes for every decoding family, in one launch."""
-    cases = {family: ("decode_worker", [tiny_model_path(family)]) for family in DECODE_FAMILIES}
-    tmp = tmp_path_factory.mktemp("decode")
-    with torchrun("the 2-process decoding", cases, tmp, nproc=2, timeout=DECODE_TIMEOUT) as run:
-        yield run
 
 
 @pytest.mark.slow

@@ -15,14 +15,14 @@ from peft import LoraConfig
 from tolerances import SHARDED_GRAD_RTOL
 from transformers import TrainerCallback, set_seed
 
-from tests.helpers import torchrun
+from tests.helpers import selected, torchrun
 
 # Seven tokens each, no token shared: positions 0..5 (prompt[:-1]) of each prompt are counted.
 PROMPTS = ["a b c d e f g", "h i j k l m n"]
 G = 3
-# Seconds for the one launch of the 2-process test, tests/offer_worker.py, over every decoding family (it was 560 s
-# per family).
-OFFER_TIMEOUT = 1200
+# Seconds for the one launch of the 2-process test, tests/offer_worker.py, over every decoding family, which runs
+# beside the single-process tests (it was 560 s per family).
+OFFER_TIMEOUT = 1500
 
 
 class PositionCounter:
@@ -147,6 +147,19 @@ def test_prompt_passes_peft_reference_is_the_same_model(tiny_model_path):
 DECODING_FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def offer_launch(request, tiny_model_path, tmp_path_factory):
+    """tests/offer_worker.py on 2 processes for every decoding family, in one launch, started with the module's first
+    test so that it runs while the single-process tests do (if the session runs the 2-process test)."""
+    if not selected(request, "test_one_prefill_per_step_with_a_sharded_prompt_state"):
+        yield None
+        return
+    cases = {family: ("offer_worker", [tiny_model_path(family)]) for family in DECODING_FAMILIES}
+    tmp = tmp_path_factory.mktemp("offer")
+    with torchrun("the 2-process run", cases, tmp, nproc=2, timeout=OFFER_TIMEOUT) as run:
+        yield run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["detached", "exact"])
 @pytest.mark.parametrize("family", DECODING_FAMILIES)
@@ -204,15 +217,6 @@ def test_one_prefill_per_step_with_left_padded_prompts(tiny_model_path, family, 
     )
     once = 1 if mode == "detached" else 2
     assert run(ours, separate_ref=False, prompts=prompts) == [{"policy": [once, once]}] * 2
-
-
-@pytest.fixture(scope="module")
-def offer_launch(tiny_model_path, tmp_path_factory):
-    """tests/offer_worker.py on 2 processes for every decoding family, in one launch."""
-    cases = {family: ("offer_worker", [tiny_model_path(family)]) for family in DECODING_FAMILIES}
-    tmp = tmp_path_factory.mktemp("offer")
-    with torchrun("the 2-process run", cases, tmp, nproc=2, timeout=OFFER_TIMEOUT) as run:
-        yield run
 
 
 @pytest.mark.slow
