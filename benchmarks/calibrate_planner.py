@@ -603,7 +603,10 @@ def main() -> None:
             "  (`plan.REVERSE_CHUNK_RESIDUALS`).",
             "- glm_moe_dsa keeps the activation multiples (CUDA-calibrated): at a 2,048-token chunk its CPU rows are",
             "  below the target; the previous run at a 4,096-token chunk (P=12,288) gave 1.078 and 1.070. Its CPU",
-            "  inventory (routed experts' dispatch, MLA, the DSA indexer) is not itemized yet.",
+            "  inventory is not itemized yet. `--trace glm_moe_dsa` puts the prefill's peak in the DSA top-k merge",
+            "  (`glm_moe_dsa._keep_topk`): per candidate, fp32 scores and a copy, int64 key numbers, the tie mask's",
+            "  int64 cast and cumsum and two bool masks, about 34 bytes where `plan.dsa_selection_bytes` counts 12;",
+            "  the GPU rows' GLM multiples were fitted with the 12, so the two must change together.",
             "",
         ]
     Path(args.out).write_text("\n".join(md))
