@@ -64,10 +64,10 @@ class PromptState:
     recurrent: set[int] = field(default_factory=set)
     # Exact mode with `offload_boundary_states`: the superseded boundaries, in host memory.
     host: HostBoundaries | None = None
-    # Exact mode with `prefill_attention_reuse`: `(layer, chunk)` -> what the prefill's fused attention of that chunk
+    # Exact mode with `prefill_attention_reuse`: chunk -> layer -> what the prefill's fused attention of that chunk
     # returned (`attention.prefix_merge_attention`'s `reuse`: output `[1, Hq, n, Dv]`, fp32 log-sum-exp `[1, Hq, n]`,
     # kernel extras), taken by the reverse pass's forward of the chunk instead of attending again.
-    attention: dict[tuple[int, int], dict] = field(default_factory=dict)
+    attention: dict[int, dict[int, dict]] = field(default_factory=dict)
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """The records' tensors (the ones that receive gradient in exact mode)."""
@@ -79,7 +79,10 @@ class PromptState:
     def kept_attention_bytes(self) -> int:
         """Bytes of the attention outputs and log-sum-exps kept for the reverse pass (`attention`)."""
         return sum(
-            t.numel() * t.element_size() for kept in self.attention.values() for t in (kept["out"], kept["lse"])
+            t.numel() * t.element_size()
+            for layers in self.attention.values()
+            for kept in layers.values()
+            for t in (kept["out"], kept["lse"])
         )
 
     def nbytes(self) -> int:
@@ -575,9 +578,10 @@ class Engine:
                         position_ids=self._positions(group.pad + start, end - start, prefix.device),
                         use_cache=False,
                     )
-                for layer, kept in (p.carried or {}).items():
-                    if kept:  # the fused kernels' path fills it; the portable one attends again in the reverse pass
-                        state.attention[layer, state.num_chunks] = kept
+                # The fused kernels' path fills a layer's slot; the portable one attends again in the reverse pass.
+                kept = {layer: slot for layer, slot in (p.carried or {}).items() if slot}
+                if kept:
+                    state.attention[state.num_chunks] = kept
                 for first, last in bounds:
                     state.num_chunks += 1
                     state.chunk_lengths.append(last - first)
@@ -649,9 +653,7 @@ class Engine:
                     self.shards.broadcast_boundary(state, c - 1, like=last)
                 own = {layer: records[c] for layer, records in state.records.items() if records[c] is not None}
                 # The prefill's attention outputs of this chunk (`prefill_attention`), dropped if it is skipped.
-                carried = {
-                    layer: state.attention.pop((layer, chunk)) for layer, chunk in list(state.attention) if chunk == c
-                }
+                carried = state.attention.pop(c, None)
                 # Sharded: every rank runs every pass, as the attention over the prompt is collective.
                 if self.shards is not None or any(t.grad is not None for record in own.values() for t in record):
                     ran += 1
