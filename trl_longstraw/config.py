@@ -27,7 +27,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             Shuffle whole groups of completions, not rows, when the generation batch is split into micro-batches,
             so that the completions of one prompt share one prefill.
         prefill_progress (`bool`, *optional*, defaults to `True`):
-            Show a progress bar over the prefill chunks of prompts longer than one chunk (main process only).
+            Show a progress bar over the prefill chunks of prompts longer than one chunk, and one over the exact-mode
+            reverse pass's (main process only).
         shard_prompt_state (`bool`, *optional*, defaults to `False`):
             Spread each prompt's state over the ranks of a shard group: each rank keeps 1/W of the prompt chunks and
             attention over the prompt merges the ranks' parts. The ranks of a group must hold the same prompts in
@@ -120,7 +121,10 @@ class LongStrawGRPOConfig(GRPOConfig):
     )
     prefill_progress: bool = field(
         default=True,
-        metadata={"help": "Show a progress bar over the prefill chunks of prompts longer than one chunk."},
+        metadata={
+            "help": "Show a progress bar over the prefill chunks of prompts longer than one chunk, and one over the "
+            "exact-mode reverse pass's."
+        },
     )
     memory_guard: bool = field(
         default=True,
