@@ -86,4 +86,5 @@ def parse(argv: list[str]):
 
 if __name__ == "__main__":
     # `trl_longstraw.cli` trains, prints the summary and saves; this script adds only the embedded default.
-    sys.exit(cli_main(["grpo", *sys.argv[1:]], defaults=None if sys.argv[1:] else TINY_CPU_DEFAULTS))
+    defaults = None if sys.argv[1:] else TINY_CPU_DEFAULTS
+    sys.exit(cli_main(["grpo", *sys.argv[1:]], defaults=defaults, prog="grpo_long.py"))
