@@ -43,3 +43,8 @@ def test_each_field_is_documented_with_its_default(field):
     table = readme_table()
     assert field.name in table, f"README's config table lacks {field.name}"
     assert table[field.name] == default, f"README gives {field.name} the default {table[field.name]}"
+
+
+def test_readme_table_names_only_real_fields():
+    """No row of README's config table for a field that does not exist (a renamed or removed one)."""
+    assert set(readme_table()) <= {f.name for f in OWN}
