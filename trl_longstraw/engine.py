@@ -385,7 +385,8 @@ class Engine:
         causal_lm: the unwrapped `PreTrainedModel` under `model` (PEFT layers in place, if any).
         adapter: the architecture adapter of `causal_lm`.
         chunk_size: prompt tokens per prefill (and reverse) chunk.
-        progress: show a progress bar over prefill chunks for prompts of several chunks.
+        progress: show a progress bar over the prefill chunks, and one over the exact-mode reverse pass's, for
+            prompts of several chunks (at a million tokens each pass takes minutes).
         shards: a `sharding.PromptShards` to shard the prompt state across its ranks, which then run in lockstep.
         autocast: a factory of the context manager every forward runs in: the autocast of stock's forward under
             mixed precision (entered per forward, so its weight-cast cache lives as long as stock's does), else
@@ -640,6 +641,7 @@ class Engine:
             firsts.append(firsts[-1] + len(bounds))
         if not state.boundaries:
             raise RuntimeError("the exact-mode reverse pass needs a state prefilled with boundaries=True")
+        bar = tqdm(total=prefix.shape[0], desc="reverse", unit="tok", disable=not self.progress or len(passes) < 2)
         with self.adapter.activate():
             for i in reversed(range(len(passes))):
                 bounds, c = passes[i], firsts[i]
@@ -704,6 +706,8 @@ class Engine:
                             torch.autograd.backward(outputs, grads)
                 for records in state.records.values():
                     records[c : last + 1] = [None] * (last + 1 - c)
+                bar.update(bounds[-1][1] - bounds[0][0])
+        bar.close()
         self.stats.reverse_s += time.perf_counter() - t0
         return ran
 
