@@ -30,7 +30,8 @@ Rank 0 writes the full (gathered) parameter gradients and every rank's records t
 expert-parallel by the trainer over all 4 processes (`EP_SIZE`: one expert per rank, the EP group spanning both shard
 groups) with the same shard groups: the same gradient scenarios and generation.
 
-`whole_step` (`group_worker:whole_step`) runs one whole `trainer.train()` step (generation + loss) of a model loaded
+`whole_step` (`group_worker:whole_step`, one case per mode) runs one whole `trainer.train()` step (generation + loss)
+of a model loaded
 under FSDP2 by transformers (`distributed_config={"fsdp_size": 4}`) with the same shard groups, and writes each
 rank's micro-batch and the gradients before the optimizer step for a single-process comparison.
 """
@@ -352,9 +353,10 @@ def step_reward(completions, **kwargs) -> list[float]:
     return [float(sum(map(ord, str(c))) % 7) for c in completions]
 
 
-def whole_step(model_path: str, out_path: str) -> None:
-    """One whole `trainer.train()` step (generation + loss, exact mode, TRL's `beta=0`, `num_iterations=1`) with
-    shard groups of 2 under FSDP2 over all 4 processes.
+def whole_step(model_path: str, mode: str, out_path: str) -> None:
+    """One whole `trainer.train()` step (generation + loss, `prompt_gradient=mode`, TRL's `beta=0`,
+    `num_iterations=1`; gradient checkpointing in exact mode, as the recipes run it) with shard groups of 2 under
+    FSDP2 over all 4 processes.
 
     FSDP2 comes from transformers' distributed loading (`model_init_kwargs={"distributed_config": {"fsdp_size": 4}}`:
     `fully_shard` on the embeddings, every decoder layer, the final norm with the head, and the root), which the
@@ -382,8 +384,8 @@ def whole_step(model_path: str, out_path: str) -> None:
         shard_prompt_state=True,
         prompt_shard_group_size=GROUP_SIZE,
         beta=0.0,
-        prompt_gradient="exact",
-        gradient_checkpointing=True,
+        prompt_gradient=mode,
+        gradient_checkpointing=mode == "exact",
         gradient_checkpointing_kwargs={"use_reentrant": False},
         model_init_kwargs={"distributed_config": {"fsdp_size": WORLD}},
         max_steps=1,

@@ -8,7 +8,7 @@ not touch the sharded attention), so FSDP2, whose collectives span the world, ga
 same launch generates on the FSDP2 model in the world lockstep of generation (`generation.generate_shared`) and checks
 the completions against transformers' `generate`, and runs glm_moe_dsa expert-parallel too (EP over all 4 processes,
 a case of the same launch), and runs one whole `trainer.train()` step (generation + loss) of the tiny qwen3_5 with
-the same shard groups under FSDP2 (a case too).
+the same shard groups under FSDP2 (a case per mode).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def launch(models, tmp_path_factory):
     # The MoE model once more, loaded expert-parallel over all 4 processes (one expert per rank).
     cases[EP] = ("group_worker:expert_parallel", [models["glm_moe_dsa"], tmp / "batches.pt"])
     # A whole trainer.train() step (generation + loss) of the hybrid model, FSDP2 from transformers' loading.
-    cases[STEP] = ("group_worker:whole_step", [models[STEP_FAMILY]])
+    for mode in ("exact", "detached"):
+        cases[f"{STEP}_{mode}"] = ("group_worker:whole_step", [models[STEP_FAMILY], mode])
     with torchrun("the 4-process run", cases, tmp, nproc=WORLD, timeout=LAUNCH_TIMEOUT) as run:
         yield run, {family: single_process_gradients(models[family], batches) for family in FAMILIES}
 
@@ -213,14 +214,16 @@ def merged_batch(batches: list[dict], pad: int) -> dict:
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
-def test_whole_train_step_matches_single_process(launch, models):
-    """One whole `trainer.train()` step, TRL's defaults otherwise (`beta=0`, `num_iterations=1`), exact mode with
-    gradient checkpointing, tiny qwen3_5, 2 shard groups of 2 under FSDP2 over 4 processes (`fully_shard` on every
-    decoder layer and the root by transformers' distributed loading; parameters DTensors before and after): each
-    group generates 8 completions of its own prompt (13 and 22 tokens, chunks of 5) with the trainer's decoder in the
-    world lockstep, the loss pass takes those prompt states, and every parameter's gradient just before the optimizer
-    step equals the single-process gradient of the same completions (every rank's micro-batch as one)."""
-    result = launch[0].result(STEP)
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_whole_train_step_matches_single_process(launch, models, mode):
+    """One whole `trainer.train()` step, TRL's defaults otherwise (`beta=0`, `num_iterations=1`), in exact mode with
+    gradient checkpointing and in detached mode, tiny qwen3_5, 2 shard groups of 2 under FSDP2 over 4 processes
+    (`fully_shard` on every decoder layer and the root by transformers' distributed loading; parameters DTensors
+    before and after): each group generates 8 completions of its own prompt (13 and 22 tokens, chunks of 5) with the
+    trainer's decoder in the world lockstep, the loss pass takes those prompt states, and every parameter's gradient
+    just before the optimizer step equals the single-process gradient of the same completions (every rank's
+    micro-batch as one)."""
+    result = launch[0].result(f"{STEP}_{mode}")
     layers = AutoConfig.from_pretrained(models[STEP_FAMILY]).num_hidden_layers
     for rank, setup in enumerate(result["setup"]):
         assert setup["dtensors"] and setup["dtensors_after"], f"rank {rank}: parameters left unsharded"
@@ -239,7 +242,7 @@ def test_whole_train_step_matches_single_process(launch, models):
     merged = merged_batch(batches, tokenizer.pad_token_id)
     # `num_generations` does not enter the loss of a given micro-batch (its advantages are the 4-process run's).
     config = trainer_config(
-        str(Path(models[STEP_FAMILY]) / "out-step"), num_generations=2, beta=0.0, prompt_gradient="exact"
+        str(Path(models[STEP_FAMILY]) / "out-step"), num_generations=2, beta=0.0, prompt_gradient=mode
     )
     trainer = LongStrawGRPOTrainer(
         str(models[STEP_FAMILY]),
@@ -249,7 +252,8 @@ def test_whole_train_step_matches_single_process(launch, models):
     )
     trainer._prepare_inputs = lambda x: x
     trainer.current_gradient_accumulation_steps = 1
-    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mode == "exact":
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainer.training_step(trainer.model, merged, merged["num_items_in_batch"])
     expected = {n: p.grad for n, p in trainer.model.named_parameters()}
     got = result["grads"]
