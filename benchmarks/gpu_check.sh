@@ -61,10 +61,10 @@ stage() {
     log "stage $name exit ${PIPESTATUS[0]}"
 }
 
-stage env 60 --stage env
+stage env 50 --stage env
 # Issue 13's figure first: whole GRPO steps (generation + loss) of the Qwen3.6 slice at the largest P they fit.
 stage whole_step 170 --stage whole_step --model qwen3_5
-stage kernels 40 --stage kernels
+stage kernels 50 --stage kernels
 stage bf16 60 --stage bf16
 # The hybrid and MLA models' loss steps (a 32K detached step each at least: the GLM/Qwen per-token prefill ratio);
 # the llama-family slice then takes whatever time is left.
