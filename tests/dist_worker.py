@@ -110,8 +110,7 @@ def trainer_config(output_dir: str, **overrides):
     """
     from trl_longstraw import LongStrawGRPOConfig
 
-    return LongStrawGRPOConfig(
-        output_dir=output_dir,
+    settings = dict(
         per_device_train_batch_size=4,
         max_completion_length=9,
         report_to=[],
@@ -121,8 +120,8 @@ def trainer_config(output_dir: str, **overrides):
         bf16=False,
         prefill_chunk_size=5,
         prefill_progress=False,
-        **overrides,
     )
+    return LongStrawGRPOConfig(output_dir=output_dir, **(settings | overrides))
 
 
 def make_batches(vocab_size: int) -> dict[str, dict]:
