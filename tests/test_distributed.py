@@ -34,6 +34,8 @@ EXPECTED = {
     "fsdp2_detached": "detached",
     "sharded_exact": "sharded_exact",
     "sharded_detached": "sharded_detached",
+    "sharded_held_detached": "sharded_detached",
+    "sharded_unheld_detached": "sharded_detached",
     "fsdp2_sharded_exact": "sharded_exact",
     "fsdp2_grouped_sharded_detached": "detached",
     "offload_sharded_exact": "sharded_exact",
@@ -184,6 +186,48 @@ def test_nonfinite_raise_is_agreed_across_ranks(launch):
     assert message0 is not None and "values on another process" in message0, message0
     assert message1 is not None and "the loss (nan)" in message1, message1
     assert calls0 == calls1 and calls0[-1][0] == "all_reduce", calls0[-3:]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_sharded_micro_batch_of_two_prompts_prefills_each_once(launch):
+    """Micro-batch `S` holds 2 distinct prompts (12 and 6 prefix tokens) on both ranks of the shard group. The scoring
+    pass keeps both states for the backward pass, with the trainer's hold budget (no limit on CPU) and with a budget
+    that fits them (as the memory guard sets on GPU): the policy runs each prefix position once per step in detached
+    mode and twice in exact mode (prefill, reverse) - on each rank when the passes are replicated, once over the group
+    under context parallelism. With a budget that fits neither, the state scored first is prefilled again in the
+    backward pass, and each rank says so once in two steps. The gradients equal single process in every case
+    (`test_gradients_match_single_process`)."""
+    results = _results(launch)
+    prompts = launch[2]["S"]["prompt_mask"].sum(dim=1).unique().tolist()
+    prefix = sorted(int(n) - 1 for n in prompts)
+    assert prefix == [6, 12]
+    cp = results["context_parallel"]
+
+    def passes(per_rank: list[list[dict[int, int]]]) -> list[tuple[int, int]]:
+        """Per prompt, sorted: (its prefix positions that ran, how many times the group ran each of them)."""
+        found = []
+        for k in range(len(per_rank[0])):
+            counts = [rank[k] for rank in per_rank]
+            if cp:  # each rank runs its own chunks: the group's count is the sum
+                merged = {p: sum(c.get(p, 0) for c in counts) for p in set().union(*counts)}
+            else:  # replicated passes: every rank runs every position
+                assert counts[0] == counts[1], counts
+                merged = counts[0]
+            assert len(set(merged.values())) == 1, merged
+            found.append((len(merged), max(merged.values())))
+        return sorted(found)
+
+    for name, once in [("sharded_detached", 1), ("sharded_exact", 2), ("sharded_held_detached", 1)]:
+        (per_rank,) = zip(*(rank[name] for rank in results["prompt_passes"]), strict=True)
+        assert passes(list(per_rank)) == [(n, once) for n in prefix], name
+    unheld = list(zip(*(rank["sharded_unheld_detached"] for rank in results["prompt_passes"]), strict=True))
+    assert len(unheld) == 2
+    for per_rank in unheld:
+        found = passes(list(per_rank))
+        assert [n for n, _ in found] == prefix and sorted(k for _, k in found) == [1, 2], found
+    for rank in results["hold_warnings"]:
+        assert rank["sharded_held_detached"] == []
+        assert len(rank["sharded_unheld_detached"]) == 1, rank["sharded_unheld_detached"]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
