@@ -20,11 +20,11 @@ rank takes its rows and runs these scenarios on them:
   (smaller than the world: each group its own passes, padded to the world's agreed pass counts, so FSDP2 still
   gathers and frees each layer pass by pass), detached, `B` (the groups hold different prompts, chunks and
   completions; 4 processes in groups of 2: `tests/group_worker.py`);
-- `sharded_held_detached`: `sharded_detached` with a hold budget that fits both prompts' states (as the memory guard
-  sets one on GPU); `sharded_unheld_detached`: two such steps with a budget of 1 byte, so the state scored first is
-  prefilled again in the backward pass, and the engine says so once. For these and `sharded_exact` /
-  `sharded_detached`, how many times the policy's backbone ran each prefix position of each prompt of `S`, per step,
-  and the warnings about states that do not fit;
+- `sharded_held_detached`: `sharded_detached` with the hold budget that the memory guard sets on GPU (its free
+  memory faked: 1 TiB), which fits both prompts' states; `sharded_unheld_detached`: two such steps with a budget of
+  1 byte, so the state scored first is prefilled again in the backward pass, and the engine says so once. For these
+  and `sharded_exact` / `sharded_detached`, how many times the policy's backbone ran each prefix position of each
+  prompt of `S`, per step, and the warnings about states that do not fit;
 - `sharded_long_exact`: the sharded prompt state, exact mode, micro-batch `L` (a long prompt), counting the tokens
   that each decoder layer's MLP runs on this rank;
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
@@ -85,7 +85,9 @@ _LOG: list[list] = []
 
 def count_collectives(log: list) -> None:
     """Makes each call of a collective of `torch.distributed` append `(name, tensor shapes)` to `log` (wrapping them
-    once per process; a later call redirects the records to its own `log`)."""
+    once per process; a later call redirects the records to its own `log`). A collective over a group smaller than
+    the world (a shard group) is named `name@size`: FSDP2's world-level all-gathers and the sharded attention's group
+    ones are both `all_gather_single`."""
     if _LOG:
         _LOG[0] = log
         return
@@ -94,7 +96,8 @@ def count_collectives(log: list) -> None:
     def wrap(name, fn):
         def wrapper(*args, **kwargs):
             shapes = tuple(tuple(a.shape) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
-            _LOG[0].append((name, shapes))
+            size = dist.get_world_size(kwargs.get("group"))
+            _LOG[0].append((name if size == dist.get_world_size() else f"{name}@{size}", shapes))
             return fn(*args, **kwargs)
 
         return wrapper
@@ -702,16 +705,25 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results[name] = full_grads(trainer.model)
         results["collectives"][name] = log[start:]
         results["prompt_passes"][name] = [counts]
-    # A hold budget, as the memory guard sets it on GPU: first one that fits both states of `S` (held from scoring to
-    # backward, each state counted as its largest share on either rank), then one that does not (the state scored
-    # first is prefilled again in the backward pass), for two steps, which say so once.
+    # A hold budget: first the memory guard's, as on GPU (1 TiB free here), which fits both states of `S` (held from
+    # scoring to backward, each state counted as its largest share on either rank); then one that does not (the
+    # state scored first is prefilled again in the backward pass), for two steps, which say so once.
+    from trl_longstraw import guards
+
     engine_log = logging.getLogger("trl_longstraw.engine")
     warnings = _Records()
     engine_log.addHandler(warnings)
+    free_memory = guards.device_free_memory
     try:
-        for name, budget, steps in [("sharded_held_detached", 2**40, 1), ("sharded_unheld_detached", 1, 2)]:
-            trainer._hold_budget = budget
+        for name, budget, steps in [("sharded_held_detached", None, 1), ("sharded_unheld_detached", 1, 2)]:
             trainer._engines.clear()
+            if budget is None:
+                guards.device_free_memory = lambda device: (2**40, 2**41)
+                trainer._check_memory(trainer.model, local["prompt_ids"].shape[1], local["completion_ids"].shape[1])
+                guards.device_free_memory = free_memory
+                results["hold_budget"] = (trainer._hold_budget, trainer.memory_estimate["to_allocate"])
+            else:
+                trainer._hold_budget = budget
             start = len(log)
             per_step = []
             for _ in range(steps):
@@ -726,6 +738,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
             warnings.messages.clear()
     finally:
         engine_log.removeHandler(warnings)
+        guards.device_free_memory = free_memory
         trainer._hold_budget = None
     results["context_parallel"] = trainer._engine(ddp).context_parallel
     # A long prompt: the tokens that run through the MLPs on this rank (context parallelism splits the prompt's).

@@ -8,6 +8,8 @@ with a real vocabulary (ids above 256 are one int object each) that is tens of M
 tokenizer runs. `tokenize_distinct` runs the tokenizer once per run of equal consecutive prompts and gives the rows of
 a run the same list. The tokenizer maps each prompt on its own (no padding, no truncation, no batch-dependent state),
 so every row's ids are stock's; TRL only reads the lists (`len`, concatenation into new lists, `torch.tensor`).
+Extra fields that the tokenizer returns one per prompt (e.g. `token_type_ids`) are shared the same way; prompts with
+images are tokenized row by row, as stock does.
 """
 
 from __future__ import annotations

@@ -672,7 +672,9 @@ class Engine:
                     p.sink = {}
                     p.carried = carried or None
                     checkpointed = (
-                        self._backbone().is_gradient_checkpointing and self.checkpoint_reverse and self.attention_reuse
+                        self._backbone().is_activation_checkpointing
+                        and self.checkpoint_reverse
+                        and self.attention_reuse
                     )
                     # The recompute of each layer takes its attention's output instead of attending again.
                     with (
