@@ -448,9 +448,10 @@ class Engine:
         # stock's one forward over its P + C positions.
         self.rope = RotaryPin(causal_lm)
         # Prompt states held for a later pass over the same prompt with the same weights, oldest first: offered by
-        # generation (`offer`, flagged True) or kept by the scoring pass of a micro-batch for its backward pass. Each
-        # is stamped with the weights' version it was computed with (`weights_version`).
-        self._held: dict[tuple[int, bytes], tuple[int, PromptState, bool]] = {}
+        # generation (`offer`) or kept by the scoring pass of a micro-batch for its backward pass. Each is stamped with
+        # the weights' version it was computed with (`weights_version`), whether it was offered, and the bytes it
+        # counts against `hold_budget`.
+        self._held: dict[tuple[int, bytes], tuple[int, PromptState, bool, int]] = {}
         # Bytes that the held states other than the newest may take (None: no limit). The trainer sets it from the
         # memory guard on GPU; the newest state is always held, as the loss pass holds one state anyway.
         self.hold_budget: int | None = None
@@ -462,7 +463,7 @@ class Engine:
 
     def held(self) -> dict[tuple[int, bytes], PromptState]:
         """The held prompt states by prompt key `(pad, token bytes)`, oldest first."""
-        return {key: state for key, (_, state, _) in self._held.items()}
+        return {key: held[1] for key, held in self._held.items()}
 
     def weights_version(self) -> int:
         """A number that changes whenever a parameter of the model is modified in place (an optimizer step, loading
@@ -475,30 +476,39 @@ class Engine:
         The scoring pass of a micro-batch then takes it instead of prefilling the same prompt again, as long as the
         weights have not changed (`weights_version`) and the state has the chunk boundaries the pass needs.
         """
-        self._hold(_key(group), state, offered=True)
+        self._hold(group, state, offered=True)
 
-    def _hold(self, key: tuple[int, bytes], state: PromptState, offered: bool = False) -> None:
-        """Holds `state` under `key`, dropping states of older weights, then the oldest ones beyond `hold_budget`."""
+    def _hold(self, group: PromptGroup, state: PromptState, offered: bool = False) -> None:
+        """Holds `state` under `group`'s key, dropping states of older weights, then the oldest ones beyond
+        `hold_budget`.
+
+        Sharded, the ranks of a shard group hold different shares of each state but must keep the same states, as
+        they prefill a dropped prompt again together: each state counts the largest share of any rank of the group
+        (one all-reduce of one number, which every rank of the group issues here, as they prefill and offer the
+        same prompts together), so the ranks drop the same ones.
+        """
+        key = _key(group)
         version = self.weights_version()
-        for old in [k for k, (v, _, _) in self._held.items() if v != version]:
+        for old in [k for k, held in self._held.items() if held[0] != version]:
             del self._held[old]
         self._held.pop(key, None)
-        self._held[key] = (version, state, offered)
+        size = state.nbytes()
+        if self.hold_budget is not None and self.shards is not None:
+            size = self.shards.extremes([size], group.tokens.device)[1][0]
+        self._held[key] = (version, state, offered, size)
         if self.hold_budget is None:
             return
-        # A budget of 0 holds the newest state only, whatever the others' sizes: sharded, the ranks hold different
-        # shares of each state, and must still agree on which states they hold.
-        while len(self._held) > 1 and (
-            self.hold_budget == 0 or sum(s.nbytes() for _, s, _ in list(self._held.values())[:-1]) > self.hold_budget
-        ):
+        while len(self._held) > 1 and sum(held[3] for held in list(self._held.values())[:-1]) > self.hold_budget:
             del self._held[next(iter(self._held))]
             if not self._hold_warned:
                 self._hold_warned = True
                 logger.warning(
-                    f"the prompt states of this step do not all fit in the {self.hold_budget / 2**30:.2f} GiB that "
-                    "the memory guard leaves for holding them: some prompts are prefilled again in the loss pass "
-                    "(once more per pass than with all states held). Shorter prompts, fewer distinct prompts per "
-                    "micro-batch and generation batch, or more GPU memory avoid it."
+                    "the prompt states of a micro-batch or generation batch do not all fit in the "
+                    f"{self.hold_budget / 2**30:.2f} GiB that the memory guard leaves for holding them beside the one "
+                    f"in use (the newest takes {size / 2**30:.2f} GiB): some prompts are prefilled again in the loss "
+                    "pass (once more per pass than with all states held). Shorter prompts, fewer distinct prompts per "
+                    "micro-batch and generation batch, shard_prompt_state or more GPU memory avoid it. Said once per "
+                    "run."
                 )
 
     def _take(self, key: tuple[int, bytes], boundaries: bool) -> PromptState | None:
@@ -553,12 +563,12 @@ class Engine:
         if reuse:
             state = self._take(key, boundaries)
             if state is not None:
-                version, _, offered = self._held.pop(key)
+                version, _, offered, size = self._held.pop(key)
                 if offered:
                     self.stats.reused_positions += sum(state.chunk_lengths)
                     self.stats.state_bytes = max(self.stats.state_bytes, state.nbytes())
                 if keep:  # held again, as the newest, now kept by this pass
-                    self._held[key] = (version, state, False)
+                    self._held[key] = (version, state, False, size)
                 return state
         t0 = time.perf_counter()
         prefix = group.tokens[:-1]
@@ -595,7 +605,7 @@ class Engine:
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.state_bytes = max(self.stats.state_bytes, state.nbytes())
         if keep:
-            self._hold(key, state)
+            self._hold(group, state)
         return state
 
     def _reusable(self, key: tuple[int, bytes], boundaries: bool) -> bool:
@@ -664,7 +674,9 @@ class Engine:
                     p.sink = {}
                     p.carried = carried or None
                     checkpointed = (
-                        self._backbone().is_gradient_checkpointing and self.checkpoint_reverse and self.attention_reuse
+                        self._backbone().is_activation_checkpointing
+                        and self.checkpoint_reverse
+                        and self.attention_reuse
                     )
                     # The recompute of each layer takes its attention's output instead of attending again.
                     with (
