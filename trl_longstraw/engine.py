@@ -120,6 +120,17 @@ class Pass:
         # (`PromptState.attention`); in a reverse chunk's forward, layer -> what the prefill's attention of that
         # chunk returned, taken once instead of attending again. None elsewhere.
         self.carried: dict[int, dict] | None = None
+        # A prompt pass (prefill, reverse chunk, or their lockstep fillers): the index of the last decoder layer, whose
+        # outputs nothing reads (later tokens read only its records, and the last prompt position's logit comes from
+        # the branches). Its token mixer may then compute its records alone and return zeros (`Engine._records_only`
+        # skips its MLP and the final norm). None elsewhere.
+        self.records_only: int | None = None
+
+    def outputs_unread(self, layer_idx: int) -> bool:
+        """Whether the token mixer of `layer_idx` may emit its record and return zeros instead of its output: the last
+        layer in a prompt pass (`records_only`) of an unsharded state (a sharded attention is collective, and its ranks
+        run it whole)."""
+        return self.records_only == layer_idx and self.shard is None
 
     def attention_reuse(self, layer_idx: int) -> dict | None:
         """The `reuse` slot of this layer's prompt attention (`attention.prefix_merge_attention`).
@@ -522,6 +533,39 @@ class Engine:
     def _backbone(self):
         return self.causal_lm.base_model
 
+    @contextlib.contextmanager
+    def _records_only(self, p: Pass):
+        """A prompt pass `p` (prefill, reverse chunk, or their fillers): the last decoder layer's outputs are never
+        read (later tokens read its records alone; the branches compute the last prompt position's logit), so for the
+        block its post-attention norm and MLP return zeros, the backbone's final norm returns its input, and its token
+        mixer may compute its records alone (`Pass.outputs_unread`). The prefill then spends nothing on them, and the
+        reverse pass neither recomputes them nor keeps their graph, which its backward never consumes (the backbone's
+        output gets no gradient). Fillers run the same modules as the passes they pad, so FSDP2 and expert-parallel
+        collectives still match. Nothing for a backbone without `layers` and `norm`.
+        """
+        backbone = self._backbone()
+        layers = getattr(backbone, "layers", None)
+        last = layers[getattr(backbone.config, "num_hidden_layers", len(layers)) - 1] if layers else None
+        parts = [getattr(last, name, None) for name in ("post_attention_layernorm", "mlp")] + [
+            getattr(backbone, "norm", None)
+        ]
+        if not all(isinstance(m, torch.nn.Module) for m in parts):
+            yield
+            return
+        p.records_only = getattr(backbone.config, "num_hidden_layers", len(layers)) - 1
+
+        def zeros(module, hidden_states, *args, **kwargs):
+            # A 0-dim zero: the layer's residual add broadcasts it.
+            return hidden_states.new_zeros(())
+
+        def identity(module, hidden_states, *args, **kwargs):
+            return hidden_states
+
+        with contextlib.ExitStack() as stack:
+            for module, forward in zip(parts, (identity, zeros, identity), strict=True):
+                stack.enter_context(_forward_replaced(module, forward))
+            yield
+
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, n)) for s in range(0, n, self.chunk_size)]
 
@@ -583,7 +627,7 @@ class Engine:
                 p = Pass(state, visible=state.num_chunks, append=True, shard=self.shards, cp=cp)
                 if boundaries and self.prefill_attention:
                     p.carried = {}
-                with use_pass(p), self.autocast():
+                with use_pass(p), self._records_only(p), self.autocast():
                     self._backbone()(
                         input_ids=prefix[None, start:end],
                         position_ids=self._positions(group.pad + start, end - start, prefix.device),
@@ -681,6 +725,7 @@ class Engine:
                     # The recompute of each layer takes its attention's output instead of attending again.
                     with (
                         use_pass(p),
+                        self._records_only(p),
                         torch.enable_grad(),
                         _checkpointing_off(self._backbone(), not self.checkpoint_reverse),
                         p.keeping_attention(checkpointed),
@@ -780,15 +825,12 @@ class Engine:
         """
         ids = torch.zeros(1, 1, dtype=torch.long, device=device)
         grad = kind == REVERSE or backward_fn is not None
-        with (
-            self.adapter.activate(),
-            use_pass(Pass(PromptState(), visible=0, append=kind == PREFILL)),
-            torch.set_grad_enabled(grad),
-        ):
+        p = Pass(PromptState(), visible=0, append=kind == PREFILL)
+        with self.adapter.activate(), use_pass(p), torch.set_grad_enabled(grad):
             if kind == BRANCH:
                 self._zero_branch(None, backward_fn, device)
                 return
-            with self.autocast():
+            with self._records_only(p), self.autocast():
                 hidden = self._backbone()(input_ids=ids, position_ids=ids, use_cache=False).last_hidden_state
             if kind == REVERSE:
                 # Inside the pass and the adapter: gradient checkpointing recomputes the layers during backward.
@@ -1056,6 +1098,23 @@ def _checkpointing_off(backbone, off: bool):
     finally:
         for m in layers:
             m.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
+def _forward_replaced(module: torch.nn.Module, forward: Callable):
+    """`module` runs `forward(module, ...)` instead of its own forward for the duration of the block; its hooks still
+    run. Under accelerate's device hooks the instance `forward` is the hook, which calls `_old_forward`: that one is
+    replaced instead."""
+    name = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+    previous = module.__dict__.get(name)
+    setattr(module, name, functools.partial(forward, module))
+    try:
+        yield
+    finally:
+        if previous is None:
+            delattr(module, name)
+        else:
+            setattr(module, name, previous)
 
 
 def _key(group: PromptGroup) -> tuple[int, bytes]:
