@@ -14,6 +14,7 @@ import contextlib
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
+from .attention import autocast_inputs
 from .engine import active_pass
 from .sharding import attend
 
@@ -42,7 +43,14 @@ def longstraw_attention(
             "sequence fits in changes nothing: load the model with sliding_window=None)"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attend(active_pass(), module.layer_idx, query, key, value, scale)
+    p = active_pass()
+    if p.outputs_unread(module.layer_idx):
+        # The last layer of a prompt pass: its keys and values are all that later tokens read, as `attend` records
+        # them; the output is zeros (a view) that nothing reads.
+        p.emit(module.layer_idx, autocast_inputs(key, value), sharded=True)
+        batch, heads, length, _ = query.shape
+        return query.new_zeros(()).expand(batch, length, heads, value.shape[-1]), None
+    out = attend(p, module.layer_idx, query, key, value, scale)
     return out.transpose(1, 2).contiguous(), None
 
 
