@@ -19,7 +19,15 @@ import pytest
 import torch
 from datasets import Dataset
 from dist_worker import trainer_config
-from group_worker import GEN_MAX_NEW_TOKENS, GEN_ROWS, GROUP_SIZE, WORLD, make_group_batches, step_prompts
+from group_worker import (
+    GEN_MAX_NEW_TOKENS,
+    GEN_ROWS,
+    GROUP_SIZE,
+    STEP_PROMPT_TOKENS,
+    WORLD,
+    make_group_batches,
+    step_prompts,
+)
 from tolerances import SHARDED_GRAD_RTOL
 from transformers import AutoConfig
 
@@ -220,9 +228,9 @@ def test_whole_train_step_matches_single_process(launch, models, mode):
     gradient checkpointing and in detached mode, tiny qwen3_5, 2 shard groups of 2 under FSDP2 over 4 processes
     (`fully_shard` on every decoder layer and the root by transformers' distributed loading; parameters DTensors
     before and after): each group generates 8 completions of its own prompt (13 and 22 tokens, chunks of 5) with the
-    trainer's decoder in the world lockstep, the loss pass takes those prompt states, and every parameter's gradient
-    just before the optimizer step equals the single-process gradient of the same completions (every rank's
-    micro-batch as one)."""
+    trainer's decoder in the world lockstep, the loss pass takes those prompt states (prefilling none), and every
+    parameter's gradient just before the optimizer step equals the single-process gradient of the same completions
+    (every rank's micro-batch as one)."""
     result = launch[0].result(f"{STEP}_{mode}")
     layers = AutoConfig.from_pretrained(models[STEP_FAMILY]).num_hidden_layers
     for rank, setup in enumerate(result["setup"]):
@@ -231,6 +239,8 @@ def test_whole_train_step_matches_single_process(launch, models, mode):
         first = rank - rank % GROUP_SIZE
         assert setup["shard_group"] == list(range(first, first + GROUP_SIZE))
         assert setup["shared_generation"] and setup["lockstep"] == [True], setup
+        # The loss pass prefilled nothing: it took the whole prompt's state (all but the last token) from generation.
+        assert setup["loss_pass_positions"] == [0, STEP_PROMPT_TOKENS[rank // GROUP_SIZE] - 1], setup
     tokenizer = build_tokenizer()
     prompts = [tokenizer(text=p)["input_ids"] for p in step_prompts()]
     batches = result["batches"]
