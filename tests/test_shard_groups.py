@@ -163,7 +163,7 @@ def test_collectives_meet(launch, family, scenario):
     for first in range(0, WORLD, GROUP_SIZE):
         group = [per_rank[r][scenario] for r in range(first, first + GROUP_SIZE)]
         assert all(log == group[0] for log in group), f"the ranks of the group from {first} differ"
-        assert "all_to_all_single" in {name for name, _ in group[0]}
+        assert f"all_to_all_single@{GROUP_SIZE}" in {name for name, _ in group[0]}
     # The groups run different prompts, so their own collectives differ.
     assert per_rank[0][scenario] != per_rank[GROUP_SIZE][scenario]
 
