@@ -3,8 +3,11 @@ its real default (the class docstring, the `--help` of the recipe command, and R
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -43,3 +46,36 @@ def test_each_field_is_documented_with_its_default(field):
     table = readme_table()
     assert field.name in table, f"README's config table lacks {field.name}"
     assert table[field.name] == default, f"README gives {field.name} the default {table[field.name]}"
+
+
+def test_readme_table_names_only_real_fields():
+    """No row of README's config table for a field that does not exist (a renamed or removed one)."""
+    assert set(readme_table()) <= {f.name for f in OWN}
+
+
+def _messages(function) -> list[list[str]]:
+    """The messages of the `ValueError`s that `function` raises, each as its literal fragments (placeholders cut)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    messages = []
+    for node in ast.walk(tree):
+        raised = getattr(getattr(node, "exc", None), "func", None)
+        if (
+            isinstance(node, ast.Raise)
+            and isinstance(node.exc, ast.Call)
+            and getattr(raised, "id", "") == "ValueError"
+        ):
+            message = node.exc.args[0]
+            parts = message.values if isinstance(message, ast.JoinedStr) else [message]
+            messages.append([p.value for p in parts if isinstance(p, ast.Constant) and len(p.value.strip()) > 12])
+    return messages
+
+
+def test_failure_modes_lists_the_config_refusals():
+    """docs/failure_modes.md, which README calls the list of exact messages, holds every refusal of
+    `LongStrawGRPOConfig` (add a row for a new one)."""
+    doc = (README.parent / "docs" / "failure_modes.md").read_text()
+    messages = _messages(LongStrawGRPOConfig.__post_init__)
+    assert len(messages) >= 8
+    for fragments in messages:
+        for fragment in fragments:
+            assert fragment.strip() in doc, f"docs/failure_modes.md lacks the config's message {fragment!r}"
