@@ -463,15 +463,13 @@ def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | No
 # The exact-mode reverse pass of a dense model on CPU, checkpointed with the attention outputs kept (the defaults),
 # per chunk token, from what its code holds at the allocated peak (traced allocation by allocation:
 # `benchmarks/calibrate_planner.py --trace FAMILY`, at two sets of widths per family). The peak is in the backward of
-# the gated MLP (or the Gated DeltaNet rule) of the last layer but one (layer L-2), while three sets of tensors are
-# live:
-# - the chunk's own (`REVERSE_CHUNK_RESIDUALS` + L tensors `[T, H]`: the embeddings and each layer's output kept by the
-#   checkpoint; each attention layer's kept output and fp32 log-sum-exp but the last layer's, and every attention
-#   layer's recomputed K and V records `[T, Hkv * D]`; RoPE's cos and sin, fp32; the position ids);
-# - the last layer's recomputed graph: a prompt pass computes only its records (`Engine._records_only`: no MLP, no
-#   final norm, its attention returns zeros), so it holds only what the query side computes before attention and the
-#   output gate after it (`REVERSE_DEAD_QUERY_TENSORS` `[T, Hq * D]`, per model type), or a last Gated DeltaNet layer's
-#   saved tensors (counted as an earlier layer's: an upper bound);
+# the gated MLP of the last layer but one (layer L-2), while three sets of tensors are live:
+# - the chunk's own (`REVERSE_CHUNK_RESIDUALS` + L tensors `[T, H]`: the embeddings, each layer's output kept by the
+#   checkpoint, the final norm's normalized input and output; each attention layer's kept output and fp32
+#   log-sum-exp, and its recomputed K and V records `[T, Hkv * D]`; RoPE's cos and sin, fp32; the position ids);
+# - the last layer's recomputed graph, which the backward never consumes: its records get gradients through its
+#   token mixer, but its MLP only feeds the final hidden states, which get none (`REVERSE_DEAD_RESIDUALS` `[T, H]`,
+#   `REVERSE_MLP_SAVED` `[T, I]`: gate, up, act(gate), their product, and what its attention keeps);
 # - layer L-2's recomputed graph and the MLP backward's gradients (`REVERSE_LIVE_RESIDUALS` `[T, H]` with the
 #   incoming gradient, `REVERSE_MLP_LIVE` `[T, I]`: gate, up, act(gate) and three gradients), and its token mixer's
 #   saved tensors: an attention layer's (`REVERSE_ATTENTION_QUERY_TENSORS` `[T, q_proj width]`-sized query-side
@@ -481,16 +479,15 @@ def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | No
 #   k_beta, decayed query and key, k_cumdecay, L2-norm temporaries); `[Hv, block, block]` per block (decays, UT
 #   system, intra-block scores); the state after each block `[Hv, Dk, Dv]` per 64 tokens; and per-head scalars).
 # The CUDA reverse pass keeps the activation multiples (`ACTIVATION_MULTIPLES`), calibrated on the GPU check.
-REVERSE_CHUNK_RESIDUALS = 1
+REVERSE_CHUNK_RESIDUALS = 3
+REVERSE_DEAD_RESIDUALS = 4
 REVERSE_LIVE_RESIDUALS = 6
+REVERSE_MLP_SAVED = 4
 REVERSE_MLP_LIVE = 6
 # Query-side tensors `[T, Hq * D]` of an attention layer's recomputed graph (llama: the contiguous query and output
 # copies; qwen3_5: also the query projection with its gate `[T, 2 Hq D]`, the q-norm's normalized query, the rotated
 # query, the gate's sigmoid and the gated output). Model types without an entry use llama's.
 REVERSE_ATTENTION_QUERY_TENSORS = {"llama": 2, "qwen3_5_text": 7, "qwen3_5": 7}
-# The same of the last layer, whose attention returns zeros in a prompt pass (llama: the query's copy; qwen3_5: the
-# query's copy, the gate's sigmoid and the gated zeros).
-REVERSE_DEAD_QUERY_TENSORS = {"llama": 1, "qwen3_5_text": 3, "qwen3_5": 3}
 REVERSE_DELTA_RULE = dict(conv=3, value=8, key=12, blocks=5, scalars=10)
 
 
@@ -520,14 +517,6 @@ def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str) -> int | N
         return None
     outputs, lses = s.kept_attention
     attention_layers = s.layer_kinds.count("attention")
-    last, earlier = s.layer_kinds[-1], set(s.layer_kinds[:-1])
-    if last == "attention":
-        # The last layer's attention returns zeros in a prompt pass and keeps no output.
-        outputs, lses = (x * (attention_layers - 1) // attention_layers for x in (outputs, lses))
-        queries = REVERSE_DEAD_QUERY_TENSORS.get(s.model_type, REVERSE_DEAD_QUERY_TENSORS["llama"])
-        dead = queries * s.attention_heads * s.head_dim * b
-    else:
-        dead = _reverse_mixer_bytes(s, last, b)
     chunk = (
         (REVERSE_CHUNK_RESIDUALS + s.num_layers) * s.hidden_size * b
         + outputs * b
@@ -535,6 +524,12 @@ def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str) -> int | N
         + attention_layers * 2 * s.kv_width * b
         + 2 * s.head_dim * 4
         + 8
+    )
+    last, earlier = s.layer_kinds[-1], set(s.layer_kinds[:-1])
+    dead = (
+        REVERSE_DEAD_RESIDUALS * s.hidden_size * b
+        + REVERSE_MLP_SAVED * s.intermediate_size * b
+        + _reverse_mixer_bytes(s, last, b)
     )
     live = (
         REVERSE_LIVE_RESIDUALS * s.hidden_size * b
