@@ -463,13 +463,10 @@ def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | No
 # The exact-mode reverse pass of a dense model on CPU, checkpointed with the attention outputs kept (the defaults),
 # per chunk token, from what its code holds at the allocated peak (traced allocation by allocation:
 # `benchmarks/calibrate_planner.py --trace FAMILY`, at two sets of widths per family). The peak is in the backward of
-# the gated MLP of the last layer but one (layer L-2), while three sets of tensors are live:
+# the gated MLP of the last layer but one (layer L-2), while two sets of tensors are live:
 # - the chunk's own (`REVERSE_CHUNK_RESIDUALS` + L tensors `[T, H]`: the embeddings, each layer's output kept by the
-#   checkpoint, the final norm's normalized input and output; each attention layer's kept output and fp32
-#   log-sum-exp, and its recomputed K and V records `[T, Hkv * D]`; RoPE's cos and sin, fp32; the position ids);
-# - the last layer's recomputed graph, which the backward never consumes: its records get gradients through its
-#   token mixer, but its MLP only feeds the final hidden states, which get none (`REVERSE_DEAD_RESIDUALS` `[T, H]`,
-#   `REVERSE_MLP_SAVED` `[T, I]`: gate, up, act(gate), their product, and what its attention keeps);
+#   checkpoint; each attention layer's kept output and fp32 log-sum-exp, and its recomputed K and V records
+#   `[T, Hkv * D]`; RoPE's cos and sin, fp32; the position ids);
 # - layer L-2's recomputed graph and the MLP backward's gradients (`REVERSE_LIVE_RESIDUALS` `[T, H]` with the
 #   incoming gradient, `REVERSE_MLP_LIVE` `[T, I]`: gate, up, act(gate) and three gradients), and its token mixer's
 #   saved tensors: an attention layer's (`REVERSE_ATTENTION_QUERY_TENSORS` `[T, q_proj width]`-sized query-side
@@ -478,11 +475,13 @@ def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | No
 #   norm's three, the fp32 value, new values, per-block new values); `[T, Hv, Dk]` fp32 (query, key and their copies,
 #   k_beta, decayed query and key, k_cumdecay, L2-norm temporaries); `[Hv, block, block]` per block (decays, UT
 #   system, intra-block scores); the state after each block `[Hv, Dk, Dv]` per 64 tokens; and per-head scalars).
+# The last layer adds nothing at the peak: in a prompt pass it computes its records alone (`Engine._records_only`: no
+# MLP, final norm or token-mixer output, whose graph the backward would never consume), and the backward consumes
+# the graph of its records before reaching layer L-2 (traced: the 4 `[T, H]` and 4 `[T, I]` tensors and the last
+# mixer's saved tensors that it kept before are gone, and so are the final norm's input and output).
 # The CUDA reverse pass keeps the activation multiples (`ACTIVATION_MULTIPLES`), calibrated on the GPU check.
-REVERSE_CHUNK_RESIDUALS = 3
-REVERSE_DEAD_RESIDUALS = 4
+REVERSE_CHUNK_RESIDUALS = 1
 REVERSE_LIVE_RESIDUALS = 6
-REVERSE_MLP_SAVED = 4
 REVERSE_MLP_LIVE = 6
 # Query-side tensors `[T, Hq * D]` of an attention layer's recomputed graph (llama: the contiguous query and output
 # copies; qwen3_5: also the query projection with its gate `[T, 2 Hq D]`, the q-norm's normalized query, the rotated
@@ -526,17 +525,12 @@ def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str) -> int | N
         + 8
     )
     last, earlier = s.layer_kinds[-1], set(s.layer_kinds[:-1])
-    dead = (
-        REVERSE_DEAD_RESIDUALS * s.hidden_size * b
-        + REVERSE_MLP_SAVED * s.intermediate_size * b
-        + _reverse_mixer_bytes(s, last, b)
-    )
     live = (
         REVERSE_LIVE_RESIDUALS * s.hidden_size * b
         + REVERSE_MLP_LIVE * s.intermediate_size * b
         + max(_reverse_mixer_bytes(s, kind, b) for kind in earlier or {last})
     )
-    return chunk + (dead if earlier else 0) + live
+    return chunk + live
 
 
 def exchange_rows(stats: ModelStats, rows: int) -> int:
