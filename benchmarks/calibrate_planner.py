@@ -620,7 +620,8 @@ def main() -> None:
             }
             for when, load in again.items():
                 md.append(
-                    f"The {family} rows were measured again by `... calibrate_planner.py --only {family}` at {when} "
+                    f"The {family} rows were measured again by `OMP_NUM_THREADS=1 nice -n 10 python "
+                    f"benchmarks/calibrate_planner.py --only {family}` at {when} "
                     f"(load average {', '.join(f'{x:.1f}' for x in load)})."
                 )
         md += [
@@ -631,9 +632,11 @@ def main() -> None:
             "projections and its fp32 work tensors per group of blocks) and the exact-mode reverse pass",
             "(`plan.reverse_bytes`, on CPU only: the chunk's residuals and records, the last layer's recomputed",
             "graph, which the backward never consumes, and layer L-2's graph with its MLP gradients). The CUDA",
-            "reverse pass and MoE models (glm_moe_dsa) keep the activation multiples calibrated on the GPU rows",
-            "above. Measured figure: PyTorch's allocated peak; resident set and fragmentation beside it (the",
-            "resident set misses pages never touched). The memory guard does not run on CPU.",
+            "reverse pass and MoE models keep the activation multiples calibrated on the GPU rows above;",
+            "glm_moe_dsa's DSA selection and sparse attention have a CPU inventory beside them (`plan.dsa_bytes`:",
+            "the larger of the two, each tensor counted from traces). Measured figure: PyTorch's allocated peak;",
+            "resident set and fragmentation beside it (the resident set misses pages never touched). The memory",
+            "guard does not run on CPU.",
             "",
         ]
         md += lines
@@ -652,12 +655,25 @@ def main() -> None:
             "- The reverse pass keeps the last layer's recomputed MLP graph (and the final norm's) alive to the end",
             "  of the backward although no gradient reaches it: a memory cost on every device, not only on CPU",
             "  (`plan.REVERSE_CHUNK_RESIDUALS`).",
-            "- glm_moe_dsa keeps the activation multiples (CUDA-calibrated): at a 2,048-token chunk its CPU rows are",
-            "  below the target; the previous run at a 4,096-token chunk (P=12,288) gave 1.078 and 1.070. Its CPU",
-            "  inventory is not itemized yet. `--trace glm_moe_dsa` puts the prefill's peak in the DSA top-k merge",
-            "  (`glm_moe_dsa._keep_topk`): per candidate, fp32 scores and a copy, int64 key numbers, the tie mask's",
-            "  int64 cast and cumsum and two bool masks, about 34 bytes where `plan.dsa_selection_bytes` counts 12;",
-            "  the GPU rows' GLM multiples were fitted with the 12, so the two must change together.",
+            "- glm_moe_dsa: its rows were 0.853 and 0.896 (436.8 and 508.4 MiB measured). Both peaks were in the DSA",
+            "  top-k merge (`glm_moe_dsa._keep_topk`), which built full-width copies of every candidate: fp32 scores",
+            "  and a copy, int64 key numbers, the tie mask's int64 cast and cumsum, two bool masks (34 bytes per",
+            "  candidate). The merge now holds the block's scores and a keep mask (the cut-off from the block's own",
+            "  top k, tie ranks in int32 slices, the kept values gathered from the running set and the block): the",
+            "  same selection bitwise. The indexer tile is scaled in place, and the sparse attention frees each block",
+            "  before building the next and copies routed rows in slices. The peaks fell to 268.7 MiB (prefill: the",
+            "  indexer tile) and 365.3 MiB (reverse: the sparse attention's backward).",
+            "- On CPU the planner counts these two from the code (`plan.dsa_selection_bytes`,",
+            "  `plan.sparse_attention_bytes`). The counts were read off `--trace glm_moe_dsa` and off traces of",
+            "  `select_topk` and `sparse_latent_attention` alone at other widths (within 0.1% there, up to +5% where",
+            "  a tie-rank slice is the peak; tests/test_plan.py checks both at two more widths).",
+            "- On CUDA the selection term that the GPU rows' GLM multiples were fitted with is unchanged, so the GPU",
+            "  table did not move. Those runs predate these changes (and the Triton kernels now used on CUDA), so it",
+            "  errs high there.",
+            "- The held-out GLM widths (2 indexer heads, top-k 192: there the sparse attention is the larger) were",
+            "  first measured against an intermediate count (1.080 and 1.050). The merge's count was then reduced",
+            "  after two more copies were removed, and the attention's forward was counted as the larger of its",
+            "  gather and its scores, both from the isolated traces. The final counts give 0.983 and 1.018.",
             "",
         ]
     Path(args.out).write_text("\n".join(md))

@@ -334,11 +334,12 @@ def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute
 # a branch's backward, at the LM head's weight gradient, `head_gradient_bytes`): the peak beyond the weights,
 # gradients, prompt state and checkpointed layer inputs, per token and matmul element, is the same within 2% at every
 # prompt length of a family; these are its largest values rounded up to 0.05 (`python benchmarks/calibrate_planner.py`
-# prints them, benchmarks/CALIBRATION.md). GLM's DSA top-k selection is an item of its own (`dsa_selection_bytes`).
-# Those runs used the torch fallbacks of Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the
-# fla and Triton kernels hold less. Model types without their own entry use the KV-cache families' (llama's). On CPU
-# the reverse pass of dense models is itemized instead (`reverse_bytes`); MoE models keep these multiples there too,
-# which are CUDA figures (benchmarks/CALIBRATION.md: GLM's CPU rows are below them).
+# prints them, benchmarks/CALIBRATION.md). GLM's DSA top-k selection is an item of its own (`dsa_bytes`).
+# Those runs used the torch fallbacks of Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection and
+# sparse attention; the fla and Triton kernels hold less. Model types without their own entry use the KV-cache
+# families' (llama's). On CPU the reverse pass of dense models is itemized instead (`reverse_bytes`); MoE models keep
+# these multiples there too, which are CUDA figures, GLM with its DSA selection and sparse attention counted from their
+# code beside them (`dsa_bytes`; benchmarks/CALIBRATION.md has its CPU rows).
 ACTIVATION_MULTIPLES = {
     "llama": (1.25, 1.75),
     "glm_moe_dsa": (0.5, 2.0),
@@ -1694,8 +1695,9 @@ def trainer_refusals(
     config, causal_lm: nn.Module, setup: Setup, recipe: Recipe | None = None, original_config=None
 ) -> list[str]:
     """What `LongStrawGRPOTrainer` (and the recipe) would refuse at construction for this model and setup, each as
-    the trainer's own message: prompts beyond an unscaled RoPE window, per-call RoPE it cannot pin, a sharded prompt
-    state the adapter lacks, active dropout, and with a recipe its training arguments (`trainer._check_args`, the
+    the trainer's own message: prompts beyond an unscaled RoPE window, per-call RoPE it cannot pin, a shard group
+    that G does not cover (`sharding.shard_group_size`), a sharded prompt state the adapter lacks, active dropout, and
+    with a recipe its training arguments (`trainer._check_args`, the
     MoE router's auxiliary loss, LoRA dropout, a `rope_parameters` override that differs from `original_config`, the
     config before the recipe's `model_init_kwargs`)."""
     from .adapters import ADAPTERS
