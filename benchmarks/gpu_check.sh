@@ -61,12 +61,15 @@ stage() {
     log "stage $name exit ${PIPESTATUS[0]}"
 }
 
-stage env 75 --stage env
-stage kernels 60 --stage kernels
-stage bf16 100 --stage bf16
-# The hybrid and MLA models first; the llama-family slice then takes whatever time is left.
-stage qwen3_5 120 --stage model --model qwen3_5
-stage glm_moe_dsa 120 --stage model --model glm_moe_dsa
+stage env 50 --stage env
+# Issue 13's figure first: whole GRPO steps (generation + loss) of the Qwen3.6 slice at the largest P they fit.
+stage whole_step 170 --stage whole_step --model qwen3_5
+stage kernels 50 --stage kernels
+stage bf16 60 --stage bf16
+# The hybrid and MLA models' loss steps (a 32K detached step each at least: the GLM/Qwen per-token prefill ratio);
+# the llama-family slice then takes whatever time is left.
+stage qwen3_5 60 --stage model --model qwen3_5
+stage glm_moe_dsa 60 --stage model --model glm_moe_dsa
 stage llama $(($(left) - 30)) --stage model --model llama
 timeout 60 "$PY" benchmarks/gpu_check.py --stage summary --out "$OUT" "${EXTRA[@]}" >>"$LOG" 2>&1
 log "done; report: $OUT/gpu_results.md"

@@ -1,6 +1,7 @@
 """The benchmark scripts: their pure helpers, and (slow) a tiny run of each end to end on CPU."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -164,9 +165,10 @@ def test_bench_whole_step_tiny(tmp_path, bench_env):
 @pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
     """benchmarks/gpu_check.sh end to end with tiny widths on CPU: every stage records its figures, and the bf16
-    stage's end-to-end comparisons meet the mixed-precision criterion. The model stages search up to 512 positions
-    (256, 512: one doubling) with 16-token completions, the real script's options: the replays of 128-token ones and a
-    third, larger step per search and mode took most of the run's time."""
+    stage's end-to-end comparisons meet the mixed-precision criterion, and the whole-step stage's train() steps take
+    one prefill per prompt. The model and whole-step stages search up to 512 positions (256, 512: one doubling) with
+    16-token completions, the real script's options: the replays of 128-token ones and a third, larger step per
+    search and mode took most of the run's time."""
     env = {
         **_env(),
         "OUT": str(tmp_path),
@@ -200,9 +202,34 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
         ("gdn_check", "causal conv", True),
         ("gdn_check", "delta rule", True),
     ], kernels
+    report = (tmp_path / "gpu_results.md").read_text()
     bf16 = [r for r in records if r["kind"] == "bf16_check"]
     assert [r["model"] for r in bf16] == ["llama-tiny", "qwen3_5-tiny", "llama-70b-layer-tiny"]
     assert all(r["ok"] and r["grad_err_stock"] > 0 for r in bf16), bf16
+
+    # The whole-step stage (issue 13): ours' exact-mode train() steps at P = 256 and 512, stock's at 256.
+    whole = [r for r in records if r["kind"] == "whole_step"]
+    assert [(r["impl"], r["P"], r["status"]) for r in whole] == [
+        ("exact", 256, "ok"),
+        ("exact", 512, "ok"),
+        ("stock", 256, "ok"),
+    ], whole
+    for r in whole:
+        assert r["model"] == "qwen3_5-tiny" and r["prompts"] == 1 and r["prompt_tokens"] == r["P"], r
+        assert r["completion_min"] == r["completion_max"] == 16, r  # min_new_tokens = C: non-empty, C tokens
+        assert r["step_s"] >= r["generation_s"] + r["loss_s"] > 0, r
+        assert math.isfinite(r["peak_ratio"]) and r["peak_ratio"] > 0, r
+        assert r["generation_peak_gib"] >= r["before_gib"] > 0 and r["loss_peak_gib"] >= r["before_gib"], r
+        # Hook-counted passes per distinct prompt: ours prefills once (generation), and its loss pass takes that
+        # state (the reverse pass is the one pass with autograd); stock runs the prompt G times in each phase.
+        want = dict(generation_no_grad=1, loss_no_grad=0, generation_grad=0, loss_grad=1, prefills_per_prompt=1)
+        if r["impl"] == "stock":
+            want = dict(generation_no_grad=8, loss_no_grad=0, generation_grad=0, loss_grad=8, prefills_per_prompt=8)
+        assert {k: r[k] for k in want} == want, r
+        if r["impl"] == "exact":
+            assert r["prompt_positions_reused"] == r["P"] - 1 and r["prompt_positions"] == 0, r
+    assert "## Whole GRPO step through trainer.train()" in report and "stock / ours at P=256" in report
+    assert "largest P of a whole step measured: 512" in report
 
     from trl_longstraw.adapters import ADAPTERS
 
@@ -220,7 +247,6 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
         if model != "llama":
             assert any(r["phase"] == "reference kernels" and r["status"] == "ok" for r in steps), steps
     assert "llama" in ADAPTERS
-    report = (tmp_path / "gpu_results.md").read_text()
     assert "## llama-tiny" in report and "largest prompt positions per step measured: 512" in report
     assert "## CUDA kernels vs their PyTorch references" in report and "prefill tok/s" in report
     assert "## GLM slice vs Qwen slice: prefill time per prompt token" in report

@@ -768,13 +768,23 @@ def _indexer_rows(
     q = module.wq_b(q_resid).view(b, s, module.n_heads, module.head_dim)
     rope, rest = module.qk_rope_head_dim, module.head_dim - module.qk_rope_head_dim
     q_rot, q_pass = torch.split(q, [rope, rest], dim=-1)
+    q = torch.cat([_rotated(q_rot, cos, sin, unsqueeze_dim=2), q_pass], dim=-1)
+    weights = module.weights_proj(hidden.to(module.weights_proj.weight.dtype)).float() * (module.n_heads**-0.5)
+    return q, weights, _index_keys(module, hidden, cos, sin)
+
+
+def _index_keys(module: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Keys `[B, S, D]` of `GlmMoeDsaIndexer`, as its forward computes them. Call without autograd."""
+    rope, rest = module.qk_rope_head_dim, module.head_dim - module.qk_rope_head_dim
     k = module.k_norm(module.wk(hidden)).unsqueeze(2)  # [B, S, 1, D]
     k_rot, k_pass = torch.split(k, [rope, rest], dim=-1)
-    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-    q = torch.cat([q_rot, q_pass], dim=-1)
-    k = torch.cat([k_rot, k_pass], dim=-1)[:, :, 0]
-    weights = module.weights_proj(hidden.to(module.weights_proj.weight.dtype)).float() * (module.n_heads**-0.5)
-    return q, weights, k
+    return torch.cat([_rotated(k_rot, cos, sin, unsqueeze_dim=2), k_pass], dim=-1)[:, :, 0]
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
+    """`x` rotated as `apply_rotary_pos_emb_interleave` rotates its query or key (each on its own, elementwise, so
+    either alone gives the same bits)."""
+    return apply_rotary_pos_emb_interleave(x, x, cos, sin, unsqueeze_dim=unsqueeze_dim)[1]
 
 
 def _indexer(module: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -860,14 +870,25 @@ def longstraw_attention_forward(
         raise ValueError(f"trl_longstraw runs one sequence per forward, got a batch of {hidden_states.shape[0]}")
     s = hidden_states.shape[1]
     heads, nope = self.num_heads, self.qk_nope_head_dim
-
-    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-    q = self.q_b_proj(q_resid).view(1, s, heads, self.qk_head_dim).transpose(1, 2)
-    q_pass, q_rot = torch.split(q, [nope, self.qk_rope_head_dim], dim=-1)
+    cos, sin = position_embeddings
     kv_pass, k_rot = torch.split(
         self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
     )
-    cos, sin = position_embeddings
+    if p.outputs_unread(self.layer_idx):
+        # The last layer of a prompt pass: nothing reads its output, so it emits its records (MLA rows, index keys)
+        # without queries (a key's rotation does not read the query's), selection or attention.
+        k_rot = k_rot.view(1, 1, s, -1)
+        (kv,) = autocast_inputs(torch.cat([self.kv_a_layernorm(kv_pass)[0], _rotated(k_rot, cos, sin)[0, 0]], dim=-1))
+        if self.indexer is None:
+            p.emit(self.layer_idx, (kv,), sharded=True)
+        else:
+            with torch.no_grad():
+                (index_key,) = autocast_inputs(_index_keys(self.indexer, hidden_states, cos, sin)[0])
+            p.emit(self.layer_idx, (kv, index_key), sharded=True)
+        return hidden_states.new_zeros(()), None, None
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q = self.q_b_proj(q_resid).view(1, s, heads, self.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [nope, self.qk_rope_head_dim], dim=-1)
     q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(1, 1, s, -1), cos, sin)
     # [S, R + Dr]. Under autocast the normed latent and the rope key come out in fp32, and stock rounds both to the
     # autocast dtype before any use (autocast casts kv_b_proj's input; the rope key is copied into the key buffer of

@@ -1868,7 +1868,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node, for host memory; default 8")
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
-    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--no-gradient-checkpointing",
+        action="store_true",
+        help="gradient_checkpointing=False: a branch and a reverse-pass chunk keep every layer's activations",
+    )
     p.add_argument(
         "--no-attention-reuse",
         action="store_true",
