@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_limit  # noqa: E402
 import bench_step  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_versions  # noqa: E402
 
 
 def test_completion_lengths():
@@ -98,6 +99,36 @@ def test_visible_pairs_and_flop_model():
 
 def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_gpu_versions_names_the_wheels_and_the_pins_missed(tmp_path):
+    """benchmarks/gpu_versions.py, as gpu_check.sh runs it after installing the carried wheels into a folder first on
+    PYTHONPATH: a package resolved from that folder is marked `wheels`, one outside pyproject.toml's pin is flagged
+    (the GPU image's torch 2.11 against the 2.13 pin is the case it is for), the rest come from the environment."""
+    site, out = tmp_path / "site", tmp_path / "out"
+    (site / "trl").mkdir(parents=True)
+    (site / "trl" / "__init__.py").write_text("")
+    (site / "trl-1.9.0.dist-info").mkdir()
+    (site / "trl-1.9.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: trl\nVersion: 1.9.0\n")
+    env = {**_env(), "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_versions.py"), "--out", str(out), "--site", str(site)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (record,) = [json.loads(line) for line in (out / "gpu_results.jsonl").read_text().splitlines()]
+    packages = record["packages"]
+    assert record["kind"] == "versions" and record["site"] == str(site)
+    assert packages["trl"] == dict(version="1.9.0", source="wheels", pin="==1.16.*", ok=False)
+    import torch
+
+    assert packages["torch"]["version"] == torch.__version__ and packages["torch"]["source"] == "environment"
+    assert packages["torch"]["pin"] == "==2.13.*"
+    report = (out / "versions.md").read_text()
+    assert "| trl | 1.9.0 | wheels | ==1.16.* | **no** |" in report
+    assert "Outside the package's pins: trl 1.9.0." in report
+    # Local labels are ignored, as pip ignores them: a CUDA build of the pinned minor meets the pin, 2.11 does not.
+    assert gpu_versions.satisfies("2.13.0+cu128", "==2.13.*")
+    assert not gpu_versions.satisfies("2.11.0+cu130", "==2.13.*")
+    assert gpu_versions.satisfies("1.0", None) is None
 
 
 @pytest.fixture
@@ -207,6 +238,10 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
         ("gdn_check", "delta rule", True),
     ], kernels
     report = (tmp_path / "gpu_results.md").read_text()
+    # gpu_check.sh records the versions it ran with (benchmarks/gpu_versions.py), after the summary's report too.
+    (versions,) = [r for r in records if r["kind"] == "versions"]
+    assert versions["packages"]["torch"]["version"] and versions["packages"]["trl"]["ok"], versions
+    assert report.endswith((tmp_path / "versions.md").read_text()) and "## Versions this check ran with" in report
     bf16 = [r for r in records if r["kind"] == "bf16_check"]
     assert [r["model"] for r in bf16] == ["llama-tiny", "qwen3_5-tiny", "llama-70b-layer-tiny"]
     assert all(r["ok"] and r["grad_err_stock"] > 0 for r in bf16), bf16

@@ -1,4 +1,5 @@
-"""The `trl-longstraw` command: GRPO with long prompts from a recipe config, after `pip install trl_longstraw`.
+"""The `trl-longstraw` command: GRPO with long prompts from a recipe config, after `pip install .` in a checkout
+(trl_longstraw is not on PyPI).
 
     trl-longstraw grpo --config config.yaml [--flag value ...]
     accelerate launch [launch options] -m trl_longstraw.cli grpo --config config.yaml [--flag value ...]

@@ -27,8 +27,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             Shuffle whole groups of completions, not rows, when the generation batch is split into micro-batches,
             so that the completions of one prompt share one prefill.
         prefill_progress (`bool`, *optional*, defaults to `True`):
-            Show a progress bar over the prefill chunks of prompts longer than one chunk, and one over the exact-mode
-            reverse pass's (main process only).
+            Show progress bars for prompts longer than one chunk (main process only): over the prefill chunks, the
+            decoding steps of shared-prompt generation, the loss pass's branches and the exact-mode reverse pass's
+            chunks.
         shard_prompt_state (`bool`, *optional*, defaults to `False`):
             Spread each prompt's state over the ranks of a shard group: each rank keeps 1/W of the prompt chunks and
             attention over the prompt merges the ranks' parts. The ranks of a group must hold the same prompts in
@@ -40,8 +41,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             unsharded ones up to float rounding.
         prompt_shard_group_size (`int`, *optional*, defaults to `0`):
             Ranks per shard group, consecutive in rank order (e.g. the GPUs of one node); `0` means all processes.
-            Must divide the number of processes. Under FSDP2 smaller groups pad their passes to the other groups'
-            (one-token filler passes), so FSDP2 gathers the model layer by layer with any group size.
+            Must divide the number of processes; needs `shard_prompt_state=True` (without a sharded state there are
+            no shard groups, so a nonzero value is refused). Under FSDP2 smaller groups pad their passes to the other
+            groups' (one-token filler passes), so FSDP2 gathers the model layer by layer with any group size.
         reverse_checkpointing (`bool`, *optional*, defaults to `True`):
             Exact mode with `gradient_checkpointing`: the reverse pass recomputes each layer of a prompt chunk during
             the chunk's backward, as stock's checkpointing does. `False` keeps the chunk's whole autograd graph
@@ -122,8 +124,9 @@ class LongStrawGRPOConfig(GRPOConfig):
     prefill_progress: bool = field(
         default=True,
         metadata={
-            "help": "Show a progress bar over the prefill chunks of prompts longer than one chunk, and one over the "
-            "exact-mode reverse pass's."
+            "help": "Show progress bars for prompts longer than one chunk (main process): over the prefill chunks, "
+            "the decoding steps of shared-prompt generation, the loss pass's branches and the exact-mode reverse "
+            "pass's chunks."
         },
     )
     memory_guard: bool = field(
@@ -144,8 +147,9 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=0,
         metadata={
             "help": "Ranks per prompt shard group, consecutive in rank order (e.g. one node's GPUs); 0 means all "
-            "processes. Must divide the number of processes. Under FSDP2 smaller groups pad their passes to the other "
-            "groups' (one-token fillers), so FSDP2 gathers layer by layer with any group size."
+            "processes. Must divide the number of processes; needs shard_prompt_state=True. Under FSDP2 smaller "
+            "groups pad their passes to the other groups' (one-token fillers), so FSDP2 gathers layer by layer with "
+            "any group size."
         },
     )
     reverse_checkpointing: bool = field(
@@ -234,6 +238,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"prompt_shard_group_size={self.prompt_shard_group_size!r} must be 0 (all processes) or a positive "
                 "number of ranks that divides the number of processes."
+            )
+        if self.prompt_shard_group_size and not self.shard_prompt_state:
+            # Only the sharded prompt state forms shard groups; the expert-parallel group is expert_parallel_size.
+            raise ValueError(
+                f"prompt_shard_group_size={self.prompt_shard_group_size} only applies to a sharded prompt state: set "
+                "shard_prompt_state=True, or drop prompt_shard_group_size (0, the default)."
             )
         ep = self.expert_parallel_size
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:

@@ -396,8 +396,9 @@ class Engine:
         causal_lm: the unwrapped `PreTrainedModel` under `model` (PEFT layers in place, if any).
         adapter: the architecture adapter of `causal_lm`.
         chunk_size: prompt tokens per prefill (and reverse) chunk.
-        progress: show a progress bar over the prefill chunks, and one over the exact-mode reverse pass's, for
-            prompts of several chunks (at a million tokens each pass takes minutes).
+        progress: show a progress bar over the prefill chunks, one over the loss pass's branches and one over the
+            exact-mode reverse pass's, for prompts of several chunks (at a million tokens each pass takes minutes);
+            generation adds one over each such prompt's decoding steps (`generation.shared_prompt_decoder`).
         shards: a `sharding.PromptShards` to shard the prompt state across its ranks, which then run in lockstep.
         autocast: a factory of the context manager every forward runs in: the autocast of stock's forward under
             mixed precision (entered per forward, so its weight-cast cache lives as long as stock's does), else
@@ -1071,9 +1072,11 @@ class Engine:
             # Under gradient checkpointing, each branch's recompute takes its attention outputs from its forward
             # (`Pass.keeping_attention`) instead of attending to the prompt again: bitwise the same, for one attention
             # output per layer and branch token. A sharded state's branch rounds attend again (`sharding.attend`).
-            checkpointed = self._backbone().is_gradient_checkpointing
+            checkpointed = self._backbone().is_activation_checkpointing
+            # A bar between the prefill's and the reverse pass's: the branches' replays and backwards.
+            rows = tqdm(slot.rows, desc="branches", disable=not self.progress or self._num_passes(group) < 2)
             with self.adapter.activate(), use_pass(p):
-                for row in slot.rows:
+                for row in rows:
                     done += 1
                     if row is None:
                         self._zero_branch(group, backward_fn, device)

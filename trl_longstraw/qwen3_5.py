@@ -66,7 +66,7 @@ from .engine import active_pass
 from .generation import DecodePass
 from .kv import KVTail, attention_switched
 
-try:  # flash-linear-attention (CUDA, Triton): `pip install trl_longstraw[cuda]`
+try:  # flash-linear-attention (CUDA, Triton): `pip install ".[cuda]"` in a checkout
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 except ImportError:  # CPU installs, or GPU installs without fla: the torch path below
     fla_chunk_gated_delta_rule = None
