@@ -416,12 +416,17 @@ def whole_step(model_path: str, mode: str, out_path: str) -> None:
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             seen["grads"] = full_grads(model)
             seen["dtensors_after"] = all(isinstance(p, DTensor) for p in model.parameters())
+            # The loss pass's prompt positions, prefilled by itself or taken from generation's offer (logged later).
+            metrics = trainer._metrics["train"]
+            seen["positions"] = [
+                metrics[f"longstraw/{k}"][-1] for k in ("prompt_positions", "prompt_positions_reused")
+            ]
 
     trainer._prepare_inputs = capture
     trainer.add_callback(BeforeUpdate())
     trainer.train()
     setup["lockstep"] = [engine.lockstep for engine in trainer._engines.values()]
-    setup["dtensors_after"] = seen["dtensors_after"]
+    setup["dtensors_after"], setup["loss_pass_positions"] = seen["dtensors_after"], seen["positions"]
     everyone: list = [None] * WORLD
     dist.all_gather_object(everyone, (seen["batch"], setup))
     if rank == 0:

@@ -1069,6 +1069,10 @@ class Engine:
             t0 = time.perf_counter()
             done = 0
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
+            # Under gradient checkpointing, each branch's recompute takes its attention outputs from its forward
+            # (`Pass.keeping_attention`) instead of attending to the prompt again: bitwise the same, for one attention
+            # output per layer and branch token. A sharded state's branch rounds attend again (`sharding.attend`).
+            checkpointed = self._backbone().is_activation_checkpointing
             # A bar between the prefill's and the reverse pass's: the branches' replays and backwards.
             rows = tqdm(slot.rows, desc="branches", disable=not self.progress or self._num_passes(group) < 2)
             with self.adapter.activate(), use_pass(p):
@@ -1078,11 +1082,13 @@ class Engine:
                         self._zero_branch(group, backward_fn, device)
                         continue
                     n = lengths[row]
-                    lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
-                    surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
-                    if grad_entropies is not None:
-                        surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
-                    backward_fn(surrogate)
+                    with p.keeping_attention(checkpointed):
+                        lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
+                        p.filling = False
+                        surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
+                        if grad_entropies is not None:
+                            surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
+                        backward_fn(surrogate)
                 self._pad(slot, BRANCH, done, device, backward_fn)
             self.stats.replay_s += time.perf_counter() - t0
             self._pad(slot, REVERSE, self.reverse(group, state) if exact else 0, device)
