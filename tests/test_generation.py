@@ -227,8 +227,10 @@ def test_progress_bars_of_decoding_and_branches(tiny_model_path, capsys):
     completions, _ = ours._generate_single_turn(ids, None, {}, 3)
     err = capsys.readouterr().err
     assert len(closed_bars(err, "decode")) == len(closed_bars(err, "prefill")) == len(long)
-    steps = sorted(max(len(completions[r]) for r, p in enumerate(ids) if tuple(p) == prompt) for prompt in long)
-    assert sorted(int(bar.split("|")[2].split("/")[0]) for bar in closed_bars(err, "decode")) == steps
+    # Tokens of every row of the prompt (G per step) until its longest completion ends.
+    groups = [[r for r, p in enumerate(ids) if tuple(p) == prompt] for prompt in long]
+    decoded = sorted(len(rs) * max(len(completions[r]) for r in rs) for rs in groups)
+    assert sorted(int(bar.split("|")[2].split("/")[0]) for bar in closed_bars(err, "decode")) == decoded
 
     # The loss pass, exact mode: two rows of a long prompt, one of a one-chunk prompt.
     rows = [ids[0], ids[0], ids[1]]

@@ -249,10 +249,10 @@ def shared_prompt_decoder(
         step_ids = prompt[-1:].expand(rows)
         step = 0
         # Beside the prefill's bar and under the same condition (`Engine.progress`, prompts of several passes): at
-        # 32K tokens the 8 rows' 128 steps took half the prefill's time. New tokens per row; it stops short of its
-        # total when every row has met EOS.
+        # 32K tokens the 8 rows' 128 steps took half the prefill's time. Tokens of all rows (G per step, finished
+        # rows' padding included); it stops short of its total when every row has met EOS.
         bar = tqdm(
-            total=generation_config.max_length - width,
+            total=rows * (generation_config.max_length - width),
             desc="decode",
             unit="tok",
             disable=not engine.progress or engine._num_passes(group) < 2,
@@ -283,7 +283,7 @@ def shared_prompt_decoder(
                     buffer = torch.cat([buffer, buffer.new_empty(rows, buffer.shape[1])], dim=1)
                 buffer[:, ids.shape[1]] = next_tokens
                 ids = buffer[:, : ids.shape[1] + 1]
-                bar.update()
+                bar.update(rows)
                 unfinished = unfinished & ~stopping_criteria(ids, None)
                 in_group, anywhere = _agree_unfinished(unfinished, shards, lockstep)
                 if not anywhere:

@@ -475,7 +475,7 @@ def dsa_bytes(stats: ModelStats, queries: int, keys: int, autograd: bool, device
 # the larger of one layer's two phases:
 # - the gated MLP: the residual stream's tensors `[T, H]` (`PREFILL_RESIDUAL_TENSORS`: the embeddings, which the
 #   backbone's forward keeps referenced, the layer's input, the residual after attention and the normed MLP input)
-#   and act(gate), up and their product `[T, I]`;
+#   and act(gate), up and their product `[T, I]`, in a layer after the first (the last runs no MLP);
 # - the torch fallback of Gated DeltaNet (`qwen3_5.torch_gated_delta_rule`, where fla is absent): the residual
 #   stream's tensors before the MLP (`DELTA_RULE_RESIDUAL_TENSORS`: the embeddings, the layer's input and its normed
 #   input), the projections (qkv `[T, conv_dim]` and its conv output, z `[T, Hv, Dv]`) and its fp32 work tensors per
@@ -532,12 +532,17 @@ def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | No
         return None
     s, b = stats, compute_bytes
     rope = chunk * 2 * s.head_dim * 4
-    peak = chunk * (PREFILL_RESIDUAL_TENSORS * s.hidden_size + PREFILL_MLP_TENSORS * s.intermediate_size) * b
+    # The last layer runs no MLP in a prompt pass (`Engine._records_only`), so the peak is in an earlier layer: the
+    # chunk's records of a last attention layer (counted in the prompt state) are not written yet, and in a two-layer
+    # model the layer is the first, whose input is the embeddings themselves.
+    residuals = PREFILL_RESIDUAL_TENSORS - (s.num_layers < 3)
+    unwritten = 2 * s.kv_width * b if s.layer_kinds and s.layer_kinds[-1] == "attention" else 0
+    peak = chunk * (residuals * s.hidden_size + PREFILL_MLP_TENSORS * s.intermediate_size) * b
     heads, k_dim, v_dim, conv_dim = s.delta_rule
     if heads:
         projections = chunk * (DELTA_RULE_RESIDUAL_TENSORS * s.hidden_size + 2 * conv_dim + heads * v_dim) * b
         peak = max(peak, projections + delta_rule_prefill_bytes(chunk, heads, k_dim, v_dim))
-    return rope + peak
+    return rope + peak - chunk * unwritten
 
 
 # The exact-mode reverse pass of a dense model on CPU, checkpointed with the attention outputs kept (the defaults),
