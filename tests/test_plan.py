@@ -936,7 +936,9 @@ def test_cpu_inventories_match_the_allocated_peaks():
     """The planner's CPU inventories (`plan.prefill_bytes`: the no-grad prefill; `plan.reverse_bytes`: the exact-mode
     reverse pass) against the peak that PyTorch's CPU allocator reaches in the engine (profiler), for widths other
     than those the tensor counts were read from (H=96, a chunk that does not divide the prompt; qwen3_5's Gated
-    DeltaNet with 4 value heads of 24, so three groups of block terms): within 10% above and 5% below."""
+    DeltaNet with 4 value heads of 24, so three groups of block terms): within 10% above and 5% below. glm_moe_dsa
+    too: its DSA selection and sparse attention (`plan.dsa_bytes`) beside its CPU multiples
+    (`plan.CPU_ACTIVATION_MULTIPLES`), at widths other than benchmarks/CALIBRATION.md's."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from calibrate_planner import allocated_peak, predict
 
@@ -956,6 +958,25 @@ def test_cpu_inventories_match_the_allocated_peaks():
             linear_value_head_dim=24,
             **common,
         ),
+        "glm_moe_dsa": dict(
+            hidden_size=96,
+            intermediate_size=400,
+            moe_intermediate_size=64,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            index_topk=64,
+            index_head_dim=16,
+            index_n_heads=2,
+        ),
     }
     p, chunk = 3001, 1500
     for family, w in widths.items():
@@ -966,17 +987,21 @@ def test_cpu_inventories_match_the_allocated_peaks():
         engine = Engine(model, model, get_adapter(model), chunk_size=chunk, progress=False)
         tokens = torch.randint(3, 128, (p,))
 
-        def exact(group, measure, engine=engine):
-            """(prefill peak, reverse peak) of one exact-mode prompt, the reverse's with the state and its gradient."""
+        def exact(group, measure, engine=engine, glm=family == "glm_moe_dsa"):
+            """(prefill peak, reverse peak) of one exact-mode prompt, the reverse's with the state and its gradient
+            (none for GLM's indexer keys, record element 1)."""
             prefill, state = measure(functools.partial(engine.prefill, group, boundaries=True))
             state.requires_grad_()
+            held = 0
             for records in state.records.values():
                 for record in records:
-                    for t in record or ():
-                        t.grad = torch.ones_like(t)
-            held = sum(t.nbytes for records in state.records.values() for r in records for t in r or ())
+                    for i, t in enumerate(record or ()):
+                        held += t.nbytes
+                        if not (glm and i == 1):
+                            t.grad = torch.ones_like(t)
+                            held += t.nbytes
             reverse, _ = measure(functools.partial(engine.reverse, group, state))
-            return prefill, reverse + 2 * held
+            return prefill, reverse + held
 
         exact(PromptGroup(tokens=tokens[: chunk + 1], pad=0, rows=[0]), lambda fn: (0, fn()))  # warm-up
         measured = exact(PromptGroup(tokens=tokens, pad=0, rows=[0]), allocated_peak)

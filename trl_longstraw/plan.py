@@ -628,8 +628,19 @@ def exchange_rows(stats: ModelStats, rows: int) -> int:
     return min(rows, EXCHANGE_ROWS)
 
 
-def activation_multiples(model_type: str) -> tuple[float, float]:
-    """`(no grad, with autograd)` activation multiples of a model type (see `ACTIVATION_MULTIPLES`)."""
+# On CPU, GLM's rest of a layer beside its DSA selection and sparse attention (`dsa_bytes`), per chunk token and matmul
+# element as `ACTIVATION_MULTIPLES`: fitted on benchmarks/CALIBRATION.md's traced CPU rows, after the prompt passes
+# stopped running the last layer's attention and MLP (implied 0.29 no grad, 0.66 with autograd; the held-out widths
+# imply 0.45 and 0.58). The CUDA multiples (0.5, 2.0), fitted on GPU steps that ran that last layer, are 3x too high
+# with autograd there.
+CPU_ACTIVATION_MULTIPLES = {"glm_moe_dsa": (0.5, 0.7)}
+
+
+def activation_multiples(model_type: str, device: str = "cuda") -> tuple[float, float]:
+    """`(no grad, with autograd)` activation multiples of a model type (see `ACTIVATION_MULTIPLES`), on CPU
+    `CPU_ACTIVATION_MULTIPLES` where a model type has them."""
+    if device == "cpu" and model_type in CPU_ACTIVATION_MULTIPLES:
+        return CPU_ACTIVATION_MULTIPLES[model_type]
     return ACTIVATION_MULTIPLES.get(model_type, ACTIVATION_MULTIPLES["llama"])
 
 
@@ -1165,7 +1176,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             else "detached mode: none",
         )
     )
-    no_grad, autograd = activation_multiples(s.model_type)
+    no_grad, autograd = activation_multiples(s.model_type, u.device)
     layer = int(autograd * s.layer_activation_elems * u.compute_bytes)
     # Under gradient checkpointing, each attention layer's output and log-sum-exp over the prompt, kept from a
     # reverse chunk's forward for the recompute.
