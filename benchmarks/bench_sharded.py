@@ -177,7 +177,7 @@ def _time_collectives(dist) -> list[float]:
     """Wraps every collective of `dist` used by the step so that it appends `time.process_time()` before and after
     it to the returned list (in the order the collectives run; the same order on every rank)."""
     marks: list[float] = []
-    names = ["all_reduce", "all_gather_into_tensor", "all_to_all_single", "broadcast", "all_gather_object", "barrier"]
+    names = ["all_reduce", "all_gather_single", "all_to_all_single", "broadcast", "all_gather_object", "barrier"]
     for name in names + ["all_gather", "reduce_scatter_tensor"]:
         collective = getattr(dist, name)
 

@@ -6,6 +6,12 @@ Stages, each run as its own process under a time limit:
   returns the log-sum-exp: FlashAttention-2 and cuDNN) against the portable path and the plain reference on the
   device (bf16, grouped-query heads, several prefix chunks, T=1, every gradient), timed; the fastest exact backend is
   used by the model stages; a tiny model's exact-mode gradients against stock `GRPOTrainer` on the device (fp32).
+- `whole_step --model NAME`: whole GRPO steps through `trainer.train()` on the slice (issue 13): generation with our
+  decoder against the prompt state, then the loss pass, which takes generation's state (exact mode, G=8, C=128
+  sampled tokens, one optimizer step). A doubling search over P as in `model`, keeping a fifth of the budget for stock
+  `GRPOTrainer`'s step at the smallest P, run if predicted to fit. Per step: generation, loss and whole-step time,
+  each phase's peak memory (reset at its start) and growth, the generation / loss peak ratio (target <= 1.1), and the
+  prefills per distinct prompt, hook-counted on the backbone (one per step, shared by generation and loss).
 - `kernels`: the CUDA kernels against their PyTorch references at real widths, for correctness and time: the Triton
   DSA selection and sparse MLA (`trl_longstraw.dsa_kernels`, GLM-5's widths) and flash-linear-attention's Gated
   DeltaNet rule and causal conv (Qwen3.6-27B's widths; the torch paths when fla is not installed).
@@ -38,12 +44,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(HERE))  # bench_whole_step
 
 GIB = 2**30
 MAX_POSITIONS = 2_100_000
@@ -951,26 +959,45 @@ class Step:
             torch.cuda.empty_cache()
 
 
-def search(step: Step, mode: str, start: int, stop: int, deadline: float, results: Results) -> list[dict]:
-    """Doubling search over P; stops at `stop`, on OOM, or when the next step is predicted to end after `deadline`
-    (its time extrapolated from the last two steps' growth factor, at least 2x, at most 4x)."""
+def search(
+    measure: Callable[[int], dict], label: str, mode: str, start: int, stop: int, deadline: float, results: Results
+) -> list[dict]:
+    """Doubling search over P, each step run and recorded by `measure(P)`; stops at `stop`, when a step's status is
+    not "ok" (OOM), or when the next step is predicted to end after `deadline` (its time extrapolated from the last
+    two steps' growth factor, at least 2x, at most 4x). `label` and `mode` name the search in its `search_end`."""
     runs, p = [], start
     while p <= stop:
         if runs:
             last = runs[-1]["step_s"]
             factor = min(4.0, max(2.0, last / runs[-2]["step_s"])) if len(runs) > 1 else 4.0
             if time.monotonic() + last * factor > deadline:
-                results.add(kind="search_end", model=step.label, mode=mode, reason="time cap", next_P=p)
+                results.add(kind="search_end", model=label, mode=mode, reason="time cap", next_P=p)
                 break
-        r = step.measure(mode, p, 8)
+        r = measure(p)
         if r["status"] != "ok":
-            results.add(kind="search_end", model=step.label, mode=mode, reason=r["status"], at_P=p)
+            results.add(kind="search_end", model=label, mode=mode, reason=r["status"], at_P=p)
             break
         runs.append(r)
         p = min(p * 2, stop) if p < stop else stop + 1
     else:
-        results.add(kind="search_end", model=step.label, mode=mode, reason="reached max positions")
+        results.add(kind="search_end", model=label, mode=mode, reason="reached max positions")
     return runs
+
+
+def use_env_findings(args) -> None:
+    """The attention path of the env stage's findings: the portable path (and chunks of at most 4096) if no kernel
+    path passed, else on CUDA the fastest exact SDPA backend."""
+    from trl_longstraw import attention
+
+    kernel_flag = Path(args.out) / "kernel_ok"
+    if kernel_flag.exists() and kernel_flag.read_text() == "0":
+        attention.USE_KERNELS = False
+        # The portable path's fp32 score tile is [Hq, chunk, KEY_BLOCK]: keep it near 1.6 GB at real widths.
+        args.chunk = min(args.chunk, 4096)
+        print("the kernel check failed: measuring with the portable attention path, chunk 4096", flush=True)
+    backend_file = Path(args.out) / "attention_backend"
+    if args.device == "cuda" and backend_file.exists() and backend_file.read_text() in attention.CUDA_BACKENDS:
+        attention.CUDA_BACKEND = backend_file.read_text()  # the fastest exact one of the env stage
 
 
 def stage_model(args, results: Results) -> None:
@@ -988,15 +1015,7 @@ def stage_model(args, results: Results) -> None:
         print(f"MISSING: no {args.model} adapter in trl_longstraw.adapters.ADAPTERS in this checkout; skipped")
         results.add(kind="model_missing", model=label, reason=f"no adapter for {args.model} in this checkout")
         return
-    kernel_flag = Path(args.out) / "kernel_ok"
-    if kernel_flag.exists() and kernel_flag.read_text() == "0":
-        attention.USE_KERNELS = False
-        # The portable path's fp32 score tile is [Hq, chunk, KEY_BLOCK]: keep it near 1.6 GB at real widths.
-        args.chunk = min(args.chunk, 4096)
-        print("the kernel check failed: measuring with the portable attention path, chunk 4096", flush=True)
-    backend_file = Path(args.out) / "attention_backend"
-    if args.device == "cuda" and backend_file.exists() and backend_file.read_text() in attention.CUDA_BACKENDS:
-        attention.CUDA_BACKEND = backend_file.read_text()  # the fastest exact one of the env stage
+    use_env_findings(args)
     widths = spec["tiny" if args.tiny else "real"]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     t0 = time.monotonic()
@@ -1027,7 +1046,15 @@ def stage_model(args, results: Results) -> None:
     for i, mode in enumerate(("detached", "exact")):
         # Split what is left between the two searches, keeping a quarter for the G comparison and the planner.
         share = (deadline - time.monotonic()) * (0.4 if i == 0 else 0.6)
-        runs = search(step, mode, args.start, args.max_positions, time.monotonic() + share, results)
+        runs = search(
+            lambda p, mode=mode: step.measure(mode, p, 8),
+            label,
+            mode,
+            args.start,
+            args.max_positions,
+            time.monotonic() + share,
+            results,
+        )
         if runs:
             largest[mode] = runs[-1]
     if "exact" in largest:
@@ -1097,6 +1124,270 @@ def search_records(results: Results, label: str, mode: str) -> list[dict]:
     ]
 
 
+# ---------------------------------------------------------------------------------------------- whole-step stage
+class PromptPasses:
+    """Counts the prompt positions that the backbone runs, per phase of the step and grad mode, with a forward
+    pre-hook, as tests/test_prompt_passes.py does: each position below `limit` (P - 1: every prompt position but the
+    last, which the completions' replay runs) of a row counts once. It counts positions, not tokens as that test
+    does: this stage's prompt is random words whose tokens repeat, and it is the step's only prompt, unpadded, so
+    nothing else runs at those positions (completions run at P and after). Counts stay on the device until read."""
+
+    def __init__(self, backbone):
+        self.limit = 1
+        self.phase: str | None = None  # "generation", "loss", or None: not counting
+        self.positions: dict[tuple[str, bool], object] = {}
+        self.handle = backbone.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs) -> None:
+        import torch
+
+        if self.phase is None:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        rows_and_width = tuple((ids if ids is not None else kwargs["inputs_embeds"]).shape[:2])
+        positions = kwargs.get("position_ids")
+        if positions is None:  # generate() may pass the cache positions only; a forward without a cache, neither
+            positions = kwargs.get("cache_position")
+        if positions is None:
+            positions = torch.arange(rows_and_width[1])
+        if positions.dim() == 3:  # multimodal RoPE streams [k, B, T]: the first is the text position
+            positions = positions[0]
+        counted = (positions < self.limit).expand(rows_and_width).sum()
+        key = (self.phase, torch.is_grad_enabled())
+        self.positions[key] = self.positions.get(key, 0) + counted
+
+    def passes(self, prompts: int) -> dict[str, float]:
+        """Passes over each of `prompts` distinct prompts, per phase and grad mode: `generation_no_grad`,
+        `loss_no_grad` (prefills), `loss_grad` (exact mode's reverse pass; stock's loss forward)."""
+        out = {f"{phase}_{mode}": 0.0 for phase in ("generation", "loss") for mode in ("no_grad", "grad")}
+        for (phase, grad), n in self.positions.items():
+            out[f"{phase}_{'grad' if grad else 'no_grad'}"] += int(n) / self.limit / prompts
+        return out
+
+
+class WholeStep:
+    """Whole GRPO steps through `trainer.train()` on one model: per step a fresh trainer (ours in exact mode, or stock
+    `GRPOTrainer`), one optimizer step over a dataset of one prompt of P tokens, G = 8 sampled completions of C tokens
+    (`min_new_tokens = C`), gradient checkpointing, GRPOConfig's bf16 autocast on CUDA.
+
+    Phases: `generation` is `_generate_and_score_completions` (generation and rewards), `loss` the rest of
+    `training_step` (ours: scoring, loss, backward and the reverse pass). Each phase's peak is measured from a reset
+    at its start (`torch.cuda.max_memory_allocated`; on CPU the resident set's high-water mark), its growth over the
+    memory held when the step's generation starts (weights; the loss phase's growth includes the parameters'
+    gradients, which Trainer frees after each optimizer step); `step_s` is the whole `train()` call (dataloader and
+    optimizer step included). Ours' loss pass also resets the CUDA peak when it starts scoring, after a few small
+    allocations.
+    """
+
+    def __init__(self, args, model, tokenizer, memory: Memory, results: Results, label: str):
+        self.args, self.model, self.tokenizer, self.memory, self.results = args, model, tokenizer, memory, results
+        self.label, self.g = label, 8
+        self.counter = PromptPasses(model.base_model)
+
+    def trainer(self, impl: str, p: int):
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+
+        from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+
+        common = dict(
+            output_dir=tempfile.mkdtemp(prefix="gpu_check_whole_"),
+            per_device_train_batch_size=self.g,
+            num_generations=self.g,
+            max_completion_length=self.args.C,
+            generation_kwargs={"min_new_tokens": self.args.C},
+            max_steps=1,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            use_cpu=self.args.device == "cpu",
+            bf16=self.args.device == "cuda",
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+
+        def reward(completions, **kwargs):
+            # Distinct rewards within the group: nonzero advantages, so every completion is back-propagated.
+            return [float(i) for i in range(len(completions))]
+
+        from bench_whole_step import prompt_text
+
+        dataset = Dataset.from_dict({"prompt": [prompt_text(p, seed=p)]})
+        if impl == "stock":
+            config = GRPOConfig(**common)
+            return GRPOTrainer(self.model, reward, config, train_dataset=dataset, processing_class=self.tokenizer)
+        config = LongStrawGRPOConfig(
+            **common, prompt_gradient=impl, prefill_chunk_size=self.args.chunk, prefill_progress=False
+        )
+        return LongStrawGRPOTrainer(self.model, reward, config, train_dataset=dataset, processing_class=self.tokenizer)
+
+    def measure(self, impl: str, p: int, phase: str = "search", record: bool = True) -> dict:
+        """One `train()` step of `impl` ("exact" or "stock") at P = `p`; its record (status ok, OOM or error)."""
+        import torch
+        from transformers import PrinterCallback
+
+        out = dict(kind="whole_step", phase=phase, model=self.label, impl=impl, P=p, G=self.g, C=self.args.C)
+        out["chunk"] = None if impl == "stock" else self.args.chunk
+        trainer = self.trainer(impl, p)
+        trainer.remove_callback(PrinterCallback)  # its metrics dict per step: noise in the check's log
+        generate, train_step, marks = trainer._generate_and_score_completions, trainer.training_step, {}
+
+        def generation(inputs):
+            self.counter.phase = "generation"
+            marks["before"] = self.memory.current()
+            self.memory.reset_peak()
+            t0 = time.perf_counter()
+            batch = generate(inputs)
+            self.memory.sync()
+            marks["generation_s"], marks["generation_peak"] = time.perf_counter() - t0, self.memory.peak()
+            marks["lengths"] = batch["completion_mask"].sum(1).tolist()
+            marks["prompt_tokens"] = batch["prompt_mask"].sum(1).tolist()
+            marks["prompts"] = int(torch.unique(batch["prompt_ids"], dim=0).shape[0])
+            self.counter.phase = "loss"
+            self.memory.reset_peak()
+            marks["loss_start"] = time.perf_counter()
+            return batch
+
+        def training_step(model, inputs, num_items_in_batch):
+            loss = train_step(model, inputs, num_items_in_batch)
+            self.memory.sync()
+            marks["loss_s"], marks["loss_peak"] = time.perf_counter() - marks["loss_start"], self.memory.peak()
+            self.counter.phase = None
+            metrics = trainer._metrics["train"]  # before train() logs (and clears) them
+            for key in (
+                "prefill_s",
+                "replay_s",
+                "reverse_s",
+                "state_gib",
+                "prompt_positions",
+                "prompt_positions_reused",
+            ):
+                if metrics.get(f"longstraw/{key}"):
+                    marks[key] = metrics[f"longstraw/{key}"][-1]
+            return loss
+
+        trainer._generate_and_score_completions, trainer.training_step = generation, training_step
+        self.counter.limit, self.counter.phase = p - 1, None
+        self.counter.positions.clear()
+        t0 = time.perf_counter()
+        try:
+            trainer.train()
+            self.memory.sync()
+            out.update(status="ok", step_s=time.perf_counter() - t0)
+        except torch.OutOfMemoryError as e:
+            out.update(status="OOM", step_s=time.perf_counter() - t0, error=str(e).splitlines()[0][:200])
+        except Exception as e:  # a finding of the device run (e.g. the memory guard's refusal), not a crash of it
+            import traceback
+
+            traceback.print_exc()
+            out.update(status="error", step_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}"[:500])
+        finally:
+            self.counter.phase = None
+        out.update(self.figures(marks))
+        if out["status"] == "ok":
+            out.update(self.counter.passes(marks["prompts"]))
+            out["prefills_per_prompt"] = out["generation_no_grad"] + out["loss_no_grad"]
+        self.cleanup(trainer)
+        if record:
+            self.results.add(**out)
+        return out
+
+    def figures(self, marks: dict) -> dict:
+        """The record's measured figures from the phases' `marks` (those of the phases that ran)."""
+        out = {key: marks[key] for key in ("generation_s", "loss_s", "prompts") if key in marks}
+        out.update({key: marks[key] for key in marks if key.startswith(("prefill", "replay", "reverse", "state"))})
+        out.update({key: marks[key] for key in ("prompt_positions", "prompt_positions_reused") if key in marks})
+        if "lengths" in marks:
+            lengths = marks["lengths"]
+            out.update(completion_min=min(lengths), completion_max=max(lengths), completion_tokens=sum(lengths))
+            out["prompt_tokens"] = max(marks["prompt_tokens"])
+        if "before" in marks:
+            out["before_gib"] = marks["before"] / GIB
+        for phase in ("generation", "loss"):
+            if f"{phase}_peak" in marks:
+                out[f"{phase}_peak_gib"] = marks[f"{phase}_peak"] / GIB
+                out[f"{phase}_growth_gib"] = (marks[f"{phase}_peak"] - marks["before"]) / GIB
+        if "loss_peak" in marks:
+            out["peak_ratio"] = marks["generation_peak"] / marks["loss_peak"]
+            growth = out["loss_growth_gib"]
+            out["growth_ratio"] = out["generation_growth_gib"] / growth if growth > 0 else None
+        return out
+
+    def cleanup(self, trainer) -> None:
+        import torch
+
+        for engine in getattr(trainer, "_engines", {}).values():
+            engine.release()
+        trainer.accelerator.free_memory()  # the optimizer and its state
+        trainer.optimizer = trainer.lr_scheduler = None
+        self.model.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def stage_whole_step(args, results: Results) -> None:
+    """Whole steps (generation + loss) of ours in exact mode through `trainer.train()`: a doubling search over P from
+    `--start` for the largest P the stage's time allows (a fifth of it kept for stock), then stock `GRPOTrainer`'s
+    step at the search's smallest P if it is predicted to fit in the time left."""
+    import torch
+
+    from trl_longstraw.testing import build_tokenizer
+
+    deadline = time.monotonic() + args.budget_s
+    spec = SLICES[args.model]
+    label = args.model + ("-tiny" if args.tiny else "-slice")
+    key = adapter_key(spec["family"])
+    if key is None:
+        results.add(kind="whole_step_missing", model=label, reason=f"no adapter for {args.model} in this checkout")
+        return
+    use_env_findings(args)
+    t0 = time.monotonic()
+    model = build_model(
+        spec["family"],
+        spec["tiny" if args.tiny else "real"],
+        args.device,
+        torch.bfloat16 if args.device == "cuda" else torch.float32,
+    )
+    results.add(
+        kind="whole_step_setup",
+        model=label,
+        description=spec["name"],
+        params=sum(p.numel() for p in model.parameters()),
+        build_s=time.monotonic() - t0,
+        chunk=args.chunk,
+        adapter=key,
+    )
+    step = WholeStep(args, model, build_tokenizer(), Memory(args.device), results, label)
+    step.measure("exact", args.start // 4, phase="warmup", record=False)  # kernels, allocator pools
+    keep = (deadline - time.monotonic()) / 5
+    runs = search(
+        lambda p: step.measure("exact", p),
+        label,
+        "whole step",
+        args.start,
+        args.max_positions,
+        deadline - keep,
+        results,
+    )
+    if not runs:
+        return
+    # Stock's step: the prompt prefilled G times to generate and G times in the loss forward, so about G/2 of ours'.
+    first = runs[0]
+    predicted = step.g / 2 * first["step_s"]
+    left = deadline - time.monotonic()
+    if predicted < left:
+        step.measure("stock", first["P"], phase="reference")
+    else:
+        results.add(
+            kind="whole_step_skipped",
+            model=label,
+            impl="stock",
+            P=first["P"],
+            reason=f"predicted {predicted:.0f} s, {left:.0f} s left",
+        )
+
+
 # ------------------------------------------------------------------------------------------------- summary stage
 def summary_general(records: list[dict]) -> list[str]:
     md = []
@@ -1143,6 +1434,81 @@ def summary_general(records: list[dict]) -> list[str]:
     for r in (r for r in records if r["kind"] in ("e2e_check", "error")):
         md += ["", "## Tiny model on the device: exact mode vs stock GRPOTrainer" if r["kind"] == "e2e_check" else ""]
         md += [f"- {k}: {v}" for k, v in r.items() if k not in ("time",)]
+    return md
+
+
+def summary_whole_step(records: list[dict]) -> list[str]:
+    """The whole-step stage: per step the phases' times and peaks, the generation / loss peak ratio against the
+    issue's 10% target, the prompt passes per distinct prompt, and stock's step beside ours at the smallest P."""
+    from bench_whole_step import GENERATION_MARGIN
+
+    steps = [r for r in records if r["kind"] == "whole_step"]
+    other = [r for r in records if r["kind"] in ("whole_step_setup", "whole_step_missing", "whole_step_skipped")]
+    if not steps and not other:
+        return []
+    md = ["", "## Whole GRPO step through trainer.train(): generation + loss (exact mode)", ""]
+    for r in other:
+        cells = (
+            f"{k}: {fmt(v, '.3g') if isinstance(v, float) else v}" for k, v in r.items() if k not in ("kind", "time")
+        )
+        md.append(f"- {r['kind']}: " + ", ".join(cells))
+    if not steps:
+        return md
+    md += [
+        "",
+        "Peaks: `torch.cuda.max_memory_allocated` from a reset at the start of each phase (on CPU the resident set's "
+        "high-water mark); growth over the memory held when generation starts; ratio = generation / loss. Passes: "
+        "how many times the backbone ran each distinct prompt's positions (hook-counted), without autograd "
+        "(prefills) and with it (ours: the reverse pass; stock: its loss forward).",
+        "",
+        "| model | impl | phase | P | G | C | status | step s | generation s | loss s | generation peak / growth "
+        "GiB | loss peak / growth GiB | peak ratio | growth ratio | prefills per prompt | passes with autograd | "
+        "completion tokens (min-max) |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in steps:
+        peaks = [
+            f"{fmt(r.get(f'{phase}_peak_gib'), '.3f')} / {fmt(r.get(f'{phase}_growth_gib'), '.3f')}"
+            for phase in ("generation", "loss")
+        ]
+        grad = r["generation_grad"] + r["loss_grad"] if r["status"] == "ok" else None
+        lengths = f"{r['completion_min']}-{r['completion_max']}" if "completion_min" in r else "-"
+        md.append(
+            f"| {r['model']} | {r['impl']} | {r['phase']} | {r['P']:,} | {r['G']} | {r['C']} | {r['status']} | "
+            f"{fmt(r.get('step_s'), '.1f')} | {fmt(r.get('generation_s'), '.1f')} | {fmt(r.get('loss_s'), '.1f')} | "
+            f"{peaks[0]} | {peaks[1]} | {fmt(r.get('peak_ratio'), '.3f')} | {fmt(r.get('growth_ratio'), '.3f')} | "
+            f"{fmt(r.get('prefills_per_prompt'), '.2f')} | {fmt(grad, '.2f')} | {lengths} |"
+            + (f" {r['error']}" if r.get("error") else "")
+        )
+    ours = [r for r in steps if r["impl"] != "stock" and r["status"] == "ok"]
+    md.append("")
+    for label in dict.fromkeys(r["model"] for r in ours):
+        best = max((r for r in ours if r["model"] == label), key=lambda r: r["P"])
+        end = [r for r in records if r["kind"] == "search_end" and r["model"] == label and r["mode"] == "whole step"]
+        md.append(
+            f"- {label}: largest P of a whole step measured: {best['P']:,} ({best['step_s']:.1f} s; search ended by "
+            f"{end[-1]['reason'] if end else '-'})"
+        )
+    for r in ours:
+        verdicts = [
+            f"{name} {r[key]:.3f}: {'met' if r[key] <= 1 + GENERATION_MARGIN else 'NOT met'}"
+            for name, key in (("peak", "peak_ratio"), ("growth", "growth_ratio"))
+            if r.get(key) is not None
+        ]
+        md.append(
+            f"- {r['model']} P={r['P']:,}: generation / loss (target <= {1 + GENERATION_MARGIN:.2f}): "
+            + "; ".join(verdicts)
+            + f"; prefills per prompt {r['prefills_per_prompt']:.2f} (one per step shared by generation and loss)"
+        )
+    for stock in (r for r in steps if r["impl"] == "stock" and r["status"] == "ok"):
+        same = [r for r in ours if r["model"] == stock["model"] and r["P"] == stock["P"]]
+        if same:
+            r = same[0]
+            md.append(
+                f"- stock / ours at P={r['P']:,}: step time {stock['step_s'] / r['step_s']:.1f}x, loss peak growth "
+                f"{fmt(stock['loss_growth_gib'] / r['loss_growth_gib'] if r['loss_growth_gib'] > 0 else None, '.1f')}"
+                f"x, prefills per prompt {stock['prefills_per_prompt']:.0f} vs {r['prefills_per_prompt']:.0f}"
+            )
     return md
 
 
@@ -1304,7 +1670,7 @@ def stage_summary(args, results: Results) -> None:
     if results.path.exists():
         records = [json.loads(line) for line in results.path.read_text().splitlines() if line.strip()]
     md = ["# GPU check results", "", f"Written by `benchmarks/gpu_check.sh` at {time.strftime('%Y-%m-%d %H:%M %Z')}."]
-    sections = [lambda: summary_general(records)]
+    sections = [lambda: summary_general(records), lambda: summary_whole_step(records)]
     labels = list(dict.fromkeys(r["model"] for r in records if r["kind"] in ("model", "model_missing")))
     sections += [lambda label=label: summary_model(records, label) for label in labels]
     sections.append(lambda: summary_prefill_ratio(records))
@@ -1328,7 +1694,7 @@ def fmt(x, spec: str) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["env", "kernels", "bf16", "model", "summary"], required=True)
+    parser.add_argument("--stage", choices=["env", "kernels", "bf16", "model", "whole_step", "summary"], required=True)
     parser.add_argument("--model", choices=sorted(SLICES), default="llama")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny widths and short prompts (CPU test of this script)")
@@ -1359,11 +1725,13 @@ def main(argv=None):
             results.add(kind="error", stage=args.stage, error="CUDA is not available")
             raise SystemExit("CUDA is not available: run with --device cpu --tiny to test this script on CPU")
     # The watchdog leaves a few seconds for the shell's `timeout` to be the last resort only.
-    watchdog(args.budget_s + 10, results, f"{args.stage} {args.model if args.stage == 'model' else ''}".strip())
+    named = args.stage in ("model", "whole_step")
+    watchdog(args.budget_s + 10, results, f"{args.stage} {args.model if named else ''}".strip())
+    stages = dict(
+        env=stage_env, kernels=stage_kernels, bf16=stage_bf16, model=stage_model, whole_step=stage_whole_step
+    )
     try:
-        {"env": stage_env, "kernels": stage_kernels, "bf16": stage_bf16, "model": stage_model}[args.stage](
-            args, results
-        )
+        stages[args.stage](args, results)
     except Exception as e:
         import traceback
 

@@ -5,6 +5,9 @@
 # pinned trl and transformers, datasets (which trl imports) with dill and multiprocess, peft at our version, and regex
 # (transformers checks its version at import; the image's may be older).
 # Pure-Python wheels except multiprocess and regex, fetched for the GPU machine's CPython 3.12 on x86-64. About 17 MB.
+# torch stays the image's (2.11.0+cu130 when last read; pyproject.toml pins 2.13.*): a CUDA torch wheel (several
+# hundred MB) is far beyond what a device run carries (64 MiB). gpu_check.sh records the versions it ran with
+# (benchmarks/gpu_versions.py) and flags those outside the pins.
 #
 #   bash benchmarks/gpu_wheels.sh            # then carry ".whl" in the device run
 #   WITH_PYARROW=1 bash benchmarks/gpu_wheels.sh   # also pyarrow (~45 MB), if the image's is older than 24

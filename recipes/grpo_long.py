@@ -10,7 +10,7 @@ memory, the mean reward of the first and last steps and the held-out accuracy at
 
     accelerate launch recipes/grpo_long.py          # the embedded default (CPU demo)
     python recipes/grpo_long.py                     # the same, one process
-    accelerate launch --config_file recipes/accelerate/fsdp2.yaml --num_processes 8 recipes/grpo_long.py \\
+    accelerate launch --config_file recipes/accelerate/fsdp2_offload.yaml --num_processes 8 recipes/grpo_long.py \\
         --config recipes/configs/qwen3.6-27b_8xh20_2.1m_exact.yaml
 
 Every `LongStrawGRPOConfig` (hence `GRPOConfig`) and TRL `ModelConfig` field is a flag and a YAML key; flags
@@ -86,4 +86,5 @@ def parse(argv: list[str]):
 
 if __name__ == "__main__":
     # `trl_longstraw.cli` trains, prints the summary and saves; this script adds only the embedded default.
-    sys.exit(cli_main(["grpo", *sys.argv[1:]], defaults=None if sys.argv[1:] else TINY_CPU_DEFAULTS))
+    defaults = None if sys.argv[1:] else TINY_CPU_DEFAULTS
+    sys.exit(cli_main(["grpo", *sys.argv[1:]], defaults=defaults, prog="grpo_long.py"))

@@ -20,6 +20,11 @@ rank takes its rows and runs these scenarios on them:
   (smaller than the world: each group its own passes, padded to the world's agreed pass counts, so FSDP2 still
   gathers and frees each layer pass by pass), detached, `B` (the groups hold different prompts, chunks and
   completions; 4 processes in groups of 2: `tests/group_worker.py`);
+- `sharded_held_detached`: `sharded_detached` with the hold budget that the memory guard sets on GPU (its free
+  memory faked: 1 TiB), which fits both prompts' states; `sharded_unheld_detached`: two such steps with a budget of
+  1 byte, so the state scored first is prefilled again in the backward pass, and the engine says so once. For these
+  and `sharded_exact` / `sharded_detached`, how many times the policy's backbone ran each prefix position of each
+  prompt of `S`, per step, and the warnings about states that do not fit;
 - `sharded_long_exact`: the sharded prompt state, exact mode, micro-batch `L` (a long prompt), counting the tokens
   that each decoder layer's MLP runs on this rank;
 - `ddp_idle_rank`, `fsdp2_idle_rank`, `sharded_idle_rank`: exact mode, micro-batch `C` with `beta = 0`, where rank 1
@@ -45,6 +50,7 @@ collective calls, the state sizes and the recurrent records each rank holds afte
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -79,7 +85,9 @@ _LOG: list[list] = []
 
 def count_collectives(log: list) -> None:
     """Makes each call of a collective of `torch.distributed` append `(name, tensor shapes)` to `log` (wrapping them
-    once per process; a later call redirects the records to its own `log`)."""
+    once per process; a later call redirects the records to its own `log`). A collective over a group smaller than
+    the world (a shard group) is named `name@size`: FSDP2's world-level all-gathers and the sharded attention's group
+    ones are both `all_gather_single`."""
     if _LOG:
         _LOG[0] = log
         return
@@ -88,7 +96,8 @@ def count_collectives(log: list) -> None:
     def wrap(name, fn):
         def wrapper(*args, **kwargs):
             shapes = tuple(tuple(a.shape) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
-            _LOG[0].append((name, shapes))
+            size = dist.get_world_size(kwargs.get("group"))
+            _LOG[0].append((name if size == dist.get_world_size() else f"{name}@{size}", shapes))
             return fn(*args, **kwargs)
 
         return wrapper
@@ -110,8 +119,7 @@ def trainer_config(output_dir: str, **overrides):
     """
     from trl_longstraw import LongStrawGRPOConfig
 
-    return LongStrawGRPOConfig(
-        output_dir=output_dir,
+    settings = dict(
         per_device_train_batch_size=4,
         max_completion_length=9,
         report_to=[],
@@ -121,8 +129,8 @@ def trainer_config(output_dir: str, **overrides):
         bf16=False,
         prefill_chunk_size=5,
         prefill_progress=False,
-        **overrides,
     )
+    return LongStrawGRPOConfig(output_dir=output_dir, **(settings | overrides))
 
 
 def make_batches(vocab_size: int) -> dict[str, dict]:
@@ -218,6 +226,50 @@ def mlp_tokens_counted(model):
     finally:
         for h in hooks:
             h.remove()
+
+
+@contextlib.contextmanager
+def prompt_positions_counted(backbone, groups: list):
+    """Counts, per prompt of `groups` (`engine.PromptGroup`s), how many times `backbone` runs each of its prefix
+    positions: in `[{position: count}]`, one dict per prompt. A row of a forward counts for a prompt when all its
+    positions lie in the prompt's prefix (`pad` to `pad + L - 2`) and its tokens are the prompt's there; branch rows
+    start at the last prompt token, outside every prefix. A row that would count for two prompts raises."""
+    counts: list[dict[int, int]] = [{} for _ in groups]
+
+    def hook(module, args, kwargs):
+        ids, positions = kwargs["input_ids"], kwargs.get("position_ids")
+        if positions is None:  # numbered from 0, as the backbone does then
+            positions = torch.arange(ids.shape[1])[None]
+        positions = positions.expand_as(ids)
+        for row_ids, row_positions in zip(ids.tolist(), positions.tolist(), strict=True):
+            matches = []
+            for k, group in enumerate(groups):
+                prefix = group.tokens[:-1].tolist()
+                offsets = [p - group.pad for p in row_positions]
+                if all(0 <= o < len(prefix) and prefix[o] == t for o, t in zip(offsets, row_ids, strict=True)):
+                    matches.append(k)
+            if len(matches) > 1:
+                raise AssertionError(f"a forward at positions {row_positions} matches prompts {matches}")
+            for k in matches:
+                for p in row_positions:
+                    counts[k][p] = counts[k].get(p, 0) + 1
+
+    handle = backbone.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield counts
+    finally:
+        handle.remove()
+
+
+class _Records(logging.Handler):
+    """Keeps the messages logged to the logger it is added to."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def rows_of(batch: dict, rank: int) -> dict:
@@ -556,7 +608,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     trainer._prepare_inputs = lambda x: x
     trainer.current_gradient_accumulation_steps = 1
     count_collectives(log)
-    results: dict = {"collectives": {}, "state_bytes": {}, "gathered": {}}
+    results: dict = {"collectives": {}, "state_bytes": {}, "gathered": {}, "prompt_passes": {}, "hold_warnings": {}}
 
     def full_grads(model) -> dict[str, torch.Tensor]:
         grads = {}
@@ -635,8 +687,11 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     results["collectives"]["fsdp2_batched_scoring"] = log[start:]
     results["gathered"]["fsdp2_batched_scoring"] = most_gathered()
 
-    # Sharded prompt state (over DDP).
+    # Sharded prompt state (over DDP), with the trainer's hold budget (on CPU: no limit).
     set_sharded(True)
+    local = rows_of(batches["S"], rank)
+    # Shortest first on both ranks (each rank lists the prompts in the order of its own rows).
+    s_prompts = sorted(group_prompts(local["prompt_ids"], local["prompt_mask"]), key=lambda g: g.tokens.shape[0])
     for name, mode in [("sharded_exact", "exact"), ("sharded_detached", "detached")]:
         start = len(log)
         trainer.model.zero_grad(set_to_none=True)
@@ -644,9 +699,47 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
             trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             trainer.model.gradient_checkpointing_disable()
-        step(ddp, batches["S"], mode)
+        with prompt_positions_counted(trainer.model.base_model, s_prompts) as counts:
+            step(ddp, batches["S"], mode)
         results[name] = full_grads(trainer.model)
         results["collectives"][name] = log[start:]
+        results["prompt_passes"][name] = [counts]
+    # A hold budget: first the memory guard's, as on GPU (1 TiB free here), which fits both states of `S` (held from
+    # scoring to backward, each state counted as its largest share on either rank); then one that does not (the
+    # state scored first is prefilled again in the backward pass), for two steps, which say so once.
+    from trl_longstraw import guards
+
+    engine_log = logging.getLogger("trl_longstraw.engine")
+    warnings = _Records()
+    engine_log.addHandler(warnings)
+    free_memory = guards.device_free_memory
+    try:
+        for name, budget, steps in [("sharded_held_detached", None, 1), ("sharded_unheld_detached", 1, 2)]:
+            trainer._engines.clear()
+            if budget is None:
+                guards.device_free_memory = lambda device: (2**40, 2**41)
+                trainer._check_memory(trainer.model, local["prompt_ids"].shape[1], local["completion_ids"].shape[1])
+                guards.device_free_memory = free_memory
+                results["hold_budget"] = (trainer._hold_budget, trainer.memory_estimate["to_allocate"])
+            else:
+                trainer._hold_budget = budget
+            start = len(log)
+            per_step = []
+            for _ in range(steps):
+                trainer.model.zero_grad(set_to_none=True)
+                with prompt_positions_counted(trainer.model.base_model, s_prompts) as counts:
+                    step(ddp, batches["S"], "detached")
+                per_step.append(counts)
+            results[name] = full_grads(trainer.model)
+            results["collectives"][name] = log[start:]
+            results["prompt_passes"][name] = per_step
+            results["hold_warnings"][name] = [m for m in warnings.messages if "do not all fit" in m]
+            warnings.messages.clear()
+    finally:
+        engine_log.removeHandler(warnings)
+        guards.device_free_memory = free_memory
+        trainer._hold_budget = None
+    results["context_parallel"] = trainer._engine(ddp).context_parallel
     # A long prompt: the tokens that run through the MLPs on this rank (context parallelism splits the prompt's).
     start = len(log)
     trainer.model.zero_grad(set_to_none=True)
@@ -756,6 +849,8 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         batched_logps,
         results["mlp_tokens"],
         nonfinite,
+        results["prompt_passes"],
+        results["hold_warnings"],
     )
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -767,6 +862,8 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["batched_logps"] = [e[5] for e in everyone]
         results["mlp_tokens"] = [e[6] for e in everyone]
         results["nonfinite"] = [e[7] for e in everyone]
+        results["prompt_passes"] = [e[8] for e in everyone]
+        results["hold_warnings"] = [e[9] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

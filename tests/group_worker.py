@@ -29,6 +29,11 @@ Rank 0 writes the full (gathered) parameter gradients and every rank's records t
 `expert_parallel` (a case of its own, `group_worker:expert_parallel`) runs the MoE model (glm_moe_dsa) loaded
 expert-parallel by the trainer over all 4 processes (`EP_SIZE`: one expert per rank, the EP group spanning both shard
 groups) with the same shard groups: the same gradient scenarios and generation.
+
+`whole_step` (`group_worker:whole_step`, one case per mode) runs one whole `trainer.train()` step (generation + loss)
+of a model loaded
+under FSDP2 by transformers (`distributed_config={"fsdp_size": 4}`) with the same shard groups, and writes each
+rank's micro-batch and the gradients before the optimizer step for a single-process comparison.
 """
 
 from __future__ import annotations
@@ -328,4 +333,104 @@ def expert_parallel(model_path: str, batches_path: str, out_path: str) -> None:
     dist.all_gather_object(everyone, sorted(experts))
     if rank == 0:
         torch.save({"grads": grads, "experts": everyone, "generation": generation}, out_path)
+    dist.barrier()
+
+
+# The whole-step case: two prompts of these lengths in tokens (one per shard group; chunks of 5), 8 completions each.
+STEP_PROMPT_TOKENS = (13, 22)
+
+
+def step_prompts() -> list[str]:
+    """`STEP_PROMPT_TOKENS` words of the tiny tokenizer's vocabulary (one token each), no word shared."""
+    from trl_longstraw.testing import WORDS
+
+    words = iter(sorted(WORDS))
+    return [" ".join(next(words) for _ in range(n)) for n in STEP_PROMPT_TOKENS]
+
+
+def step_reward(completions, **kwargs) -> list[float]:
+    """Rewards that differ within a group (nonzero advantages), from each completion's text alone."""
+    return [float(sum(map(ord, str(c))) % 7) for c in completions]
+
+
+def whole_step(model_path: str, mode: str, out_path: str) -> None:
+    """One whole `trainer.train()` step (generation + loss, `prompt_gradient=mode`, TRL's `beta=0`,
+    `num_iterations=1`; gradient checkpointing in exact mode, as the recipes run it) with shard groups of 2 under
+    FSDP2 over all 4 processes.
+
+    FSDP2 comes from transformers' distributed loading (`model_init_kwargs={"distributed_config": {"fsdp_size": 4}}`:
+    `fully_shard` on the embeddings, every decoder layer, the final norm with the head, and the root), which the
+    trainer takes as it takes an expert-parallel model: Trainer neither wraps it in DDP nor shards it again, as
+    accelerate would turn an FSDP config into DDP on CPU. The step generates with the trainer's decoder in the world
+    lockstep (group 0 one prompt, group 1 another, sampled completions), the loss pass takes generation's prompt
+    states, and the optimizer steps. Rank 0 writes every rank's micro-batch (as `training_step` received it), the
+    whole gradients just before the optimizer step (clipping off) and the checks of the setup."""
+    os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+    from accelerate import PartialState
+    from datasets import Dataset
+    from dist_worker import trainer_config
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from transformers import TrainerCallback
+
+    from trl_longstraw import LongStrawGRPOTrainer
+
+    PartialState()
+    rank = dist.get_rank()
+    assert dist.get_world_size() == WORLD, f"the shard group tests need {WORLD} processes"
+    config = trainer_config(
+        tempfile.mkdtemp(),
+        num_generations=8,
+        shard_prompt_state=True,
+        prompt_shard_group_size=GROUP_SIZE,
+        beta=0.0,
+        prompt_gradient=mode,
+        gradient_checkpointing=mode == "exact",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        model_init_kwargs={"distributed_config": {"fsdp_size": WORLD}},
+        max_steps=1,
+        max_grad_norm=0.0,
+        save_strategy="no",
+        shuffle_dataset=False,
+        disable_tqdm=True,
+        seed=7,
+    )
+    trainer = LongStrawGRPOTrainer(model_path, step_reward, config, Dataset.from_dict({"prompt": step_prompts()}))
+    model = trainer.model
+    layers = model.model.layers
+    setup = {
+        "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+        "layers_sharded": [isinstance(layer, FSDPModule) for layer in layers] + [isinstance(model, FSDPModule)],
+        "shard_group": dist.get_process_group_ranks(trainer._prompt_shards.group),
+        "shared_generation": trainer._shared_generation,
+    }
+    seen: dict = {}
+    prepare = trainer._prepare_inputs
+
+    def capture(generation_batch):
+        batch = prepare(generation_batch)
+        seen["batch"] = {k: v.detach().clone() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        return batch
+
+    class BeforeUpdate(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            seen["grads"] = full_grads(model)
+            seen["dtensors_after"] = all(isinstance(p, DTensor) for p in model.parameters())
+            # The loss pass's prompt positions, prefilled by itself or taken from generation's offer (logged later).
+            metrics = trainer._metrics["train"]
+            seen["positions"] = [
+                metrics[f"longstraw/{k}"][-1] for k in ("prompt_positions", "prompt_positions_reused")
+            ]
+
+    trainer._prepare_inputs = capture
+    trainer.add_callback(BeforeUpdate())
+    trainer.train()
+    setup["lockstep"] = [engine.lockstep for engine in trainer._engines.values()]
+    setup["dtensors_after"], setup["loss_pass_positions"] = seen["dtensors_after"], seen["positions"]
+    everyone: list = [None] * WORLD
+    dist.all_gather_object(everyone, (seen["batch"], setup))
+    if rank == 0:
+        torch.save(
+            {"batches": [e[0] for e in everyone], "setup": [e[1] for e in everyone], "grads": seen["grads"]}, out_path
+        )
     dist.barrier()

@@ -1,5 +1,7 @@
 """The generation batch's prompts, tokenized once per prompt (`trl_longstraw.batch`): same batch, loss, gradients."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from grpo_pair import make_pair, position_reward
@@ -7,6 +9,7 @@ from transformers import TrainerCallback, set_seed
 from trl import GRPOTrainer
 
 from trl_longstraw.batch import tokenize_distinct
+from trl_longstraw.testing import build_tokenizer
 
 # Prompts of 7, 4 and 1 tokens: the rows of the shorter ones are left-padded in the batch.
 PROMPTS = ["a b c d e f g", "h i j k", "x"]
@@ -101,11 +104,74 @@ def test_tokenize_distinct_runs_the_tokenizer_once_per_run():
     assert tokenize_distinct(tokenize, ["ab", "c"])[0] == [[2, 97, 98], [1, 99]] and calls == [["ab", "c"]]
 
 
-def test_tokenize_distinct_keeps_per_row_fields_stocks():
-    """A processor that returns per-row fields (a multimodal one): stock's call on every row."""
+def conversation_tokenizer():
+    """The tiny word-level tokenizer with a chat template (image parts rendered as one word) that also returns
+    `token_type_ids`, an extra field one per prompt as some tokenizers' `apply_chat_template` returns."""
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% else %}x{% endif %} {% endfor %}"
+        "{% endif %} {% endfor %}{% if add_generation_prompt %}assistant{% endif %}"
+    )
+    tokenizer.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
+    return tokenizer
+
+
+def stock_tokenize(tokenizer, calls: list):
+    """Stock `GRPOTrainer._tokenize_prompts` of a text-only trainer with `tokenizer`; `calls` gets the number of
+    conversations of each call of the tokenizer's `apply_chat_template`."""
+    apply = tokenizer.apply_chat_template
+
+    def counted(conversation, **kwargs):
+        calls.append(len(conversation))
+        return apply(conversation, **kwargs)
+
+    tokenizer.apply_chat_template = counted
+    trainer = SimpleNamespace(
+        _is_vlm=False,
+        environment_factories=None,
+        processing_class=tokenizer,
+        tools=None,
+        chat_template=None,
+        chat_template_kwargs={},
+    )
+    return lambda prompts: GRPOTrainer._tokenize_prompts(trainer, prompts)
+
+
+def test_tokenize_distinct_shares_extra_fields_one_call():
+    """Conversations through stock's `_tokenize_prompts`, whose tokenizer returns `token_type_ids` (an extra field,
+    which stock passes on as `multimodal_fields`): the tokenizer runs once, over the distinct prompts, and the ids,
+    images and fields equal stock's call on every row (a second tokenization of the whole batch before)."""
+    calls: list[int] = []
+    tokenize = stock_tokenize(conversation_tokenizer(), calls)
+    ab, hi = [{"role": "user", "content": "a b c"}], [{"role": "user", "content": "h i"}]
+    prompts = [ab, ab, ab, hi, hi, ab]
+    ids, images, fields = tokenize_distinct(tokenize, prompts)
+    assert calls == [3]
+    calls.clear()
+    stock = tokenize(prompts)
+    assert (ids, images, fields) == stock and list(fields) == ["token_type_ids"]
+    assert ids[0] is ids[2] and fields["token_type_ids"][3] is fields["token_type_ids"][4]
+    assert len({len(x) for x in ids}) == 2, "prompts of different lengths"
+
+
+def test_tokenize_distinct_keeps_images_stocks():
+    """Conversations with image parts, from which stock extracts each row's images: stock's one call on every row."""
+    calls: list[int] = []
+    tokenize = stock_tokenize(conversation_tokenizer(), calls)
+    image = [{"role": "user", "content": [{"type": "image", "image": "IMG"}, {"type": "text", "text": "a b"}]}]
+    prompts = [image, image, [{"role": "user", "content": "h i"}]]
+    ids, images, fields = tokenize_distinct(tokenize, prompts)
+    assert calls == [3]
+    assert images == [["IMG"], ["IMG"], None] and ids[0] is not ids[1]
+    assert (ids, images, fields) == tokenize(prompts)
+
+
+def test_tokenize_distinct_falls_back_on_fields_not_one_per_prompt():
+    """A field that is not one value per prompt (a processor's tensor of pixel values): stock's call on every row."""
 
     def tokenize(prompts):
-        return [[len(p)] for p in prompts], None, {"token_type_ids": [[0] for _ in prompts]}
+        return [[len(p)] for p in prompts], None, {"pixel_values": torch.zeros(len(prompts) * 2, 3)}
 
     ids, _, fields = tokenize_distinct(tokenize, ["ab", "ab", "c"])
-    assert ids == [[2], [2], [1]] and ids[0] is not ids[1] and fields == {"token_type_ids": [[0], [0], [0]]}
+    assert ids == [[2], [2], [1]] and ids[0] is not ids[1] and fields["pixel_values"].shape == (6, 3)

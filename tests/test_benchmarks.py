@@ -1,6 +1,7 @@
 """The benchmark scripts: their pure helpers, and (slow) a tiny run of each end to end on CPU."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_limit  # noqa: E402
 import bench_step  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_versions  # noqa: E402
 
 
 def test_completion_lengths():
@@ -99,6 +101,36 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
 
 
+def test_gpu_versions_names_the_wheels_and_the_pins_missed(tmp_path):
+    """benchmarks/gpu_versions.py, as gpu_check.sh runs it after installing the carried wheels into a folder first on
+    PYTHONPATH: a package resolved from that folder is marked `wheels`, one outside pyproject.toml's pin is flagged
+    (the GPU image's torch 2.11 against the 2.13 pin is the case it is for), the rest come from the environment."""
+    site, out = tmp_path / "site", tmp_path / "out"
+    (site / "trl").mkdir(parents=True)
+    (site / "trl" / "__init__.py").write_text("")
+    (site / "trl-1.9.0.dist-info").mkdir()
+    (site / "trl-1.9.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: trl\nVersion: 1.9.0\n")
+    env = {**_env(), "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_versions.py"), "--out", str(out), "--site", str(site)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (record,) = [json.loads(line) for line in (out / "gpu_results.jsonl").read_text().splitlines()]
+    packages = record["packages"]
+    assert record["kind"] == "versions" and record["site"] == str(site)
+    assert packages["trl"] == dict(version="1.9.0", source="wheels", pin="==1.16.*", ok=False)
+    import torch
+
+    assert packages["torch"]["version"] == torch.__version__ and packages["torch"]["source"] == "environment"
+    assert packages["torch"]["pin"] == "==2.13.*"
+    report = (out / "versions.md").read_text()
+    assert "| trl | 1.9.0 | wheels | ==1.16.* | **no** |" in report
+    assert "Outside the package's pins: trl 1.9.0." in report
+    # Local labels are ignored, as pip ignores them: a CUDA build of the pinned minor meets the pin, 2.11 does not.
+    assert gpu_versions.satisfies("2.13.0+cu128", "==2.13.*")
+    assert not gpu_versions.satisfies("2.11.0+cu130", "==2.13.*")
+    assert gpu_versions.satisfies("1.0", None) is None
+
+
 @pytest.fixture
 def bench_env(monkeypatch):
     """The environment of the benchmark drivers, which the tests below run in this process through their `main(argv)`
@@ -162,17 +194,22 @@ def test_bench_whole_step_tiny(tmp_path, bench_env):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1100)
 def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
     """benchmarks/gpu_check.sh end to end with tiny widths on CPU: every stage records its figures, and the bf16
-    stage's end-to-end comparisons meet the mixed-precision criterion. The model stages search up to 512 positions
-    (256, 512: one doubling) with 16-token completions, the real script's options: the replays of 128-token ones and a
-    third, larger step per search and mode took most of the run's time."""
+    stage's end-to-end comparisons meet the mixed-precision criterion, and the whole-step stage's train() steps take
+    one prefill per prompt. The model and whole-step stages search up to 512 positions (256, 512: one doubling) with
+    16-token completions, the real script's options: the replays of 128-token ones and a third, larger step per
+    search and mode took most of the run's time. About 2 minutes on a quiet machine; the budgets are doubled and the
+    total raised so that a crowded one (each stage up to twice as long, under a load average of 12) still runs every
+    stage: the tiny stages' work does not grow with their budgets."""
     env = {
         **_env(),
         "OUT": str(tmp_path),
         "PYTHON": sys.executable,
         "GPU_CHECK_NO_WHEELS": "1",
-        "GPU_CHECK_TOTAL_S": "400",
+        "GPU_CHECK_TOTAL_S": "900",
+        "GPU_CHECK_BUDGET_SCALE": "2",
     }
     proc = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", "cpu", "--tiny", "--max-positions", "512"]
@@ -181,7 +218,7 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
         text=True,
         env=env,
         cwd=ROOT,
-        timeout=600,
+        timeout=1000,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "gpu_results.jsonl").read_text().splitlines()]
@@ -200,9 +237,38 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
         ("gdn_check", "causal conv", True),
         ("gdn_check", "delta rule", True),
     ], kernels
+    report = (tmp_path / "gpu_results.md").read_text()
+    # gpu_check.sh records the versions it ran with (benchmarks/gpu_versions.py), after the summary's report too.
+    (versions,) = [r for r in records if r["kind"] == "versions"]
+    assert versions["packages"]["torch"]["version"] and versions["packages"]["trl"]["ok"], versions
+    assert report.endswith((tmp_path / "versions.md").read_text()) and "## Versions this check ran with" in report
     bf16 = [r for r in records if r["kind"] == "bf16_check"]
     assert [r["model"] for r in bf16] == ["llama-tiny", "qwen3_5-tiny", "llama-70b-layer-tiny"]
     assert all(r["ok"] and r["grad_err_stock"] > 0 for r in bf16), bf16
+
+    # The whole-step stage (issue 13): ours' exact-mode train() steps at P = 256 and 512, stock's at 256.
+    whole = [r for r in records if r["kind"] == "whole_step"]
+    assert [(r["impl"], r["P"], r["status"]) for r in whole] == [
+        ("exact", 256, "ok"),
+        ("exact", 512, "ok"),
+        ("stock", 256, "ok"),
+    ], whole
+    for r in whole:
+        assert r["model"] == "qwen3_5-tiny" and r["prompts"] == 1 and r["prompt_tokens"] == r["P"], r
+        assert r["completion_min"] == r["completion_max"] == 16, r  # min_new_tokens = C: non-empty, C tokens
+        assert r["step_s"] >= r["generation_s"] + r["loss_s"] > 0, r
+        assert math.isfinite(r["peak_ratio"]) and r["peak_ratio"] > 0, r
+        assert r["generation_peak_gib"] >= r["before_gib"] > 0 and r["loss_peak_gib"] >= r["before_gib"], r
+        # Hook-counted passes per distinct prompt: ours prefills once (generation), and its loss pass takes that
+        # state (the reverse pass is the one pass with autograd); stock runs the prompt G times in each phase.
+        want = dict(generation_no_grad=1, loss_no_grad=0, generation_grad=0, loss_grad=1, prefills_per_prompt=1)
+        if r["impl"] == "stock":
+            want = dict(generation_no_grad=8, loss_no_grad=0, generation_grad=0, loss_grad=8, prefills_per_prompt=8)
+        assert {k: r[k] for k in want} == want, r
+        if r["impl"] == "exact":
+            assert r["prompt_positions_reused"] == r["P"] - 1 and r["prompt_positions"] == 0, r
+    assert "## Whole GRPO step through trainer.train()" in report and "stock / ours at P=256" in report
+    assert "largest P of a whole step measured: 512" in report
 
     from trl_longstraw.adapters import ADAPTERS
 
@@ -220,7 +286,6 @@ def test_gpu_check_script_runs_on_cpu_tiny(tmp_path):
         if model != "llama":
             assert any(r["phase"] == "reference kernels" and r["status"] == "ok" for r in steps), steps
     assert "llama" in ADAPTERS
-    report = (tmp_path / "gpu_results.md").read_text()
     assert "## llama-tiny" in report and "largest prompt positions per step measured: 512" in report
     assert "## CUDA kernels vs their PyTorch references" in report and "prefill tok/s" in report
     assert "## GLM slice vs Qwen slice: prefill time per prompt token" in report

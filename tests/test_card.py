@@ -89,3 +89,4 @@ def test_usage_of_the_grpo_command_lists_the_fields(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--prefill_chunk_size" in out and "--reward_funcs" in out and "--model_name_or_path" in out
+    assert out.startswith("usage: trl-longstraw grpo [-h]"), "the help names the command, not the file cli.py"

@@ -79,6 +79,8 @@ def test_installed_command_runs_outside_the_checkout(tmp_path):
     assert "prompt positions        383 prefilled per micro-batch" in result.stdout
     assert "peak RSS" in result.stdout
     assert "prefill:" in result.stderr, "the prefill progress bar shows for prompts of several chunks"
+    assert "reverse:" in result.stderr, "so does the exact-mode reverse pass's"
+    assert "decode:" in result.stderr and "branches:" in result.stderr, "and the decoding steps' and branches' between"
     output_dir = work / "outputs" / "tiny-cpu"
     state = json.loads((output_dir / "checkpoint-2" / "trainer_state.json").read_text())
     logged = [h for h in state["log_history"] if "reward" in h]

@@ -34,6 +34,8 @@ EXPECTED = {
     "fsdp2_detached": "detached",
     "sharded_exact": "sharded_exact",
     "sharded_detached": "sharded_detached",
+    "sharded_held_detached": "sharded_detached",
+    "sharded_unheld_detached": "sharded_detached",
     "fsdp2_sharded_exact": "sharded_exact",
     "fsdp2_grouped_sharded_detached": "detached",
     "offload_sharded_exact": "sharded_exact",
@@ -187,6 +189,50 @@ def test_nonfinite_raise_is_agreed_across_ranks(launch):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_sharded_micro_batch_of_two_prompts_prefills_each_once(launch):
+    """Micro-batch `S` holds 2 distinct prompts (12 and 6 prefix tokens) on both ranks of the shard group. The scoring
+    pass keeps both states for the backward pass, with the trainer's hold budget (no limit on CPU) and with the memory
+    guard's (free memory faked, as on GPU), which fits them: the policy runs each prefix position once per step in
+    detached mode and twice in exact mode (prefill, reverse) - on each rank when the passes are replicated, once over
+    the group under context parallelism. With a budget that fits neither, the state scored first is prefilled again in
+    the backward pass, and each rank says so once in two steps. The gradients equal single process in every case
+    (`test_gradients_match_single_process`)."""
+    results = _results(launch)
+    prompts = launch[2]["S"]["prompt_mask"].sum(dim=1).unique().tolist()
+    prefix = sorted(int(n) - 1 for n in prompts)
+    assert prefix == [6, 12]
+    cp = results["context_parallel"]
+
+    def passes(per_rank: list[list[dict[int, int]]]) -> list[tuple[int, int]]:
+        """Per prompt, sorted: (its prefix positions that ran, how many times the group ran each of them)."""
+        found = []
+        for k in range(len(per_rank[0])):
+            counts = [rank[k] for rank in per_rank]
+            if cp:  # each rank runs its own chunks: the group's count is the sum
+                merged = {p: sum(c.get(p, 0) for c in counts) for p in set().union(*counts)}
+            else:  # replicated passes: every rank runs every position
+                assert counts[0] == counts[1], counts
+                merged = counts[0]
+            assert len(set(merged.values())) == 1, merged
+            found.append((len(merged), max(merged.values())))
+        return sorted(found)
+
+    for name, once in [("sharded_detached", 1), ("sharded_exact", 2), ("sharded_held_detached", 1)]:
+        (per_rank,) = zip(*(rank[name] for rank in results["prompt_passes"]), strict=True)
+        assert passes(list(per_rank)) == [(n, once) for n in prefix], name
+    unheld = list(zip(*(rank["sharded_unheld_detached"] for rank in results["prompt_passes"]), strict=True))
+    assert len(unheld) == 2
+    for per_rank in unheld:
+        found = passes(list(per_rank))
+        assert [n for n, _ in found] == prefix and sorted(k for _, k in found) == [1, 2], found
+    budget, to_allocate = results["hold_budget"]
+    assert budget == 2**40 - to_allocate and to_allocate > 0, "the guard's budget: free memory minus the step's"
+    for rank in results["hold_warnings"]:
+        assert rank["sharded_held_detached"] == []
+        assert len(rank["sharded_unheld_detached"]) == 1, rank["sharded_unheld_detached"]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_sharded_state_is_split(launch):
     """Of the 12 prefix tokens of the longest prompt in chunks of 5: the context-parallel rounds (every family) are
     chunks (5, 5) then (1, 1), so each rank holds 6 tokens' records.
@@ -334,7 +380,7 @@ def test_collectives_equal_across_ranks(launch, scenario):
     if scenario.startswith("fsdp2"):
         assert {"all_gather_single", "reduce_scatter_single"} <= names
     if "sharded" in scenario:
-        assert {"all_gather_into_tensor", "all_to_all_single"} <= names
+        assert {"all_gather_single", "all_to_all_single"} <= names
     # The exact-mode reverse pass broadcasts the recurrent boundary at the start of every context-parallel round but
     # the first, from its owner: one fp32 buffer per round transition. In `S`, the prefix of 12 tokens runs in two
     # rounds (chunks of 5, 5, then 1, 1), that of 6 in one (3, 3); in `C`, 10 and 7 tokens in one round each.

@@ -69,3 +69,21 @@ def test_reward_weights_must_match_the_functions(tiny_path):
     with pytest.raises(ValueError, match=r"2 weights \[1.0, 0.0\] for 1 reward function\(s\) \(zero_reward\).*"):
         build(tiny_path, dataset, reward_weights=[1.0, 0.0])
     build(tiny_path, dataset, reward_funcs=[zero_reward, zero_reward], reward_weights=[1.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("mistral", {"sliding_window": 8}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ],
+    ids=["mistral", "qwen3 sliding layers"],
+)
+def test_sliding_window_fails_at_construction(tmp_path, family, overrides):
+    """A sliding window is refused when the trainer is built (it failed at the first step's first forward), with the
+    fix for windows every sequence fits in; the same model without the window builds."""
+    path = save_tiny_model(tmp_path / family, family, **overrides)
+    dataset = Dataset.from_dict({"prompt": ["a b"] * 4})
+    with pytest.raises(ValueError, match=r"sliding window of 8 tokens .* sliding_window=None .* trl.GRPOTrainer"):
+        build(path, dataset)
+    build(path, dataset, model_init_kwargs={"sliding_window": None})

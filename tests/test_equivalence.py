@@ -228,7 +228,8 @@ def test_prediction_step_evaluates(tiny_model_path):
 def test_reverse_pass_reuses_attention_in_checkpoint_recompute(tiny_model_path, family, monkeypatch):
     """Exact mode under gradient checkpointing: the reverse pass's recompute takes each attention layer's kept output
     instead of attending again; the loss and every gradient are bitwise those of recomputing it, with fewer fused
-    attention forwards. `reverse_attention_reuse=False` turns it off for the reverse pass, with the same result."""
+    attention forwards. `reverse_attention_reuse=False` turns it off for the reverse pass, with the same result. The
+    loss pass's branches take theirs in their recompute in both modes."""
     from trl_longstraw import attention, engine
 
     path = tiny_model_path(family)
@@ -258,6 +259,19 @@ def test_reverse_pass_reuses_attention_in_checkpoint_recompute(tiny_model_path, 
         ours._engines.clear()
     assert reused < len(calls) <= recomputed
     assert off_losses == losses and all(torch.equal(off_grads[n], grads[n]) for n in grads)
+    # Detached mode: the loss pass's branches alone take their kept outputs in the recompute.
+    detached = make_trainer(
+        path, prompt_gradient="detached", prefill_chunk_size=CHUNK, prefill_progress=False, gradient_checkpointing=True
+    )
+    calls.clear()
+    losses, grads = run_steps(detached, [mb])
+    reused = len(calls)
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(engine.Pass, "attention_reuse", lambda self, layer_idx: None)
+        ref_losses, ref_grads = run_steps(detached, [mb])
+    assert 0 < reused < len(calls)
+    assert losses == ref_losses and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

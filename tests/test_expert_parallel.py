@@ -278,7 +278,6 @@ def test_check_args_accepts():
     check_args(_args(shard_prompt_state=False), 2)  # the data-parallel lockstep
     check_args(_args(model_init_kwargs={"distributed_config": distributed_config(2, 2)}), 2)  # the recipe's
     check_args(_args(expert_parallel_size=1, shard_prompt_state=False, save_only_model=False), 2)
-    check_args(_args(shard_prompt_state=False, prompt_shard_group_size=2), 4)  # groups unused without sharding
     check_args(_args(prompt_shard_group_size=2, expert_parallel_size=4), 4)  # tests/test_shard_groups.py runs it
 
 

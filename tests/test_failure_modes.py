@@ -106,6 +106,13 @@ def test_on_nonfinite_choices(tmp_path):
         LongStrawGRPOConfig(**common(tmp_path), on_nonfinite="ignore")
 
 
+def test_prompt_shard_group_size_needs_shard_prompt_state(tmp_path):
+    """Without a sharded prompt state there are no shard groups: a group size would be silently ignored."""
+    with pytest.raises(ValueError, match="prompt_shard_group_size=2 only applies to a sharded prompt state: set "):
+        LongStrawGRPOConfig(**common(tmp_path), prompt_shard_group_size=2)
+    assert LongStrawGRPOConfig(**common(tmp_path), prompt_shard_group_size=2, shard_prompt_state=True)
+
+
 def test_skip_nonfinite_refused_with_several_processes(tmp_path, monkeypatch):
     config = LongStrawGRPOConfig(**common(tmp_path), on_nonfinite="skip")
     monkeypatch.setattr(LongStrawGRPOConfig, "world_size", property(lambda self: 2))

@@ -209,6 +209,48 @@ def test_each_distinct_prompt_is_prefilled_once(tiny_model_path):
     assert stock_calls[0] == len(ROWS) * max(len(p) for p in groups)
 
 
+def closed_bars(text: str, name: str) -> list[str]:
+    """The last line of each progress bar named `name` in `text` (tqdm ends a bar with a newline when it closes)."""
+    return [line.rsplit("\r", 1)[-1] for line in text.split("\n") if f"{name}:" in line]
+
+
+def test_progress_bars_of_decoding_and_branches(tiny_model_path, capsys):
+    """`prefill_progress` (main process) shows, beside each prefill bar of a prompt of several chunks, a bar over its
+    decoding steps, and in the loss pass one over its branches; none for a prompt of one chunk, none when off."""
+    _, ours = make_pair(tiny_model_path("llama"), generation_kwargs=GREEDY, longstraw={"prefill_progress": True})
+    engine = ours._engine(ours.model)
+    assert engine.progress
+    ids = tokenize(ours, ROWS)
+    long = {tuple(p) for p in ids if len(p) - 1 > engine.chunk_size}
+    assert 0 < len(long) < len(set(map(tuple, ids))), "prompts of one chunk and of several"
+    capsys.readouterr()
+    completions, _ = ours._generate_single_turn(ids, None, {}, 3)
+    err = capsys.readouterr().err
+    assert len(closed_bars(err, "decode")) == len(closed_bars(err, "prefill")) == len(long)
+    # Tokens of every row of the prompt (G per step) until its longest completion ends.
+    groups = [[r for r, p in enumerate(ids) if tuple(p) == prompt] for prompt in long]
+    decoded = sorted(len(rs) * max(len(completions[r]) for r in rs) for rs in groups)
+    assert sorted(int(bar.split("|")[2].split("/")[0]) for bar in closed_bars(err, "decode")) == decoded
+
+    # The loss pass, exact mode: two rows of a long prompt, one of a one-chunk prompt.
+    rows = [ids[0], ids[0], ids[1]]
+    assert tuple(ids[0]) in long and tuple(ids[1]) not in long
+    width = max(map(len, rows))
+    prompt_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    prompt_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    completion_ids = torch.tensor([[5, 6, 7]] * 3)
+    mask, grad = torch.ones(3, 3, dtype=torch.long), torch.ones(3, 3)
+    engine.backward(prompt_ids, prompt_mask, completion_ids, mask, grad, None, True, torch.Tensor.backward)
+    (bar,) = closed_bars(capsys.readouterr().err, "branches")
+    assert "| 2/2 [" in bar
+
+    engine.progress = False
+    ours._generate_single_turn(ids, None, {}, 3)
+    engine.backward(prompt_ids, prompt_mask, completion_ids, mask, grad, None, True, torch.Tensor.backward)
+    err = capsys.readouterr().err
+    assert not any(f"{name}:" in err for name in ("prefill", "decode", "branches"))
+
+
 SAMPLING = [
     {"temperature": 0.7},
     {"temperature": 1.3, "top_k": 5},

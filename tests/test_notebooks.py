@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -20,17 +21,21 @@ def test_notebooks_are_committed_without_outputs():
                 assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name}: strip the outputs"
 
 
-def test_capacity_notebook_runs_the_readme_planner_commands():
-    """Notebook 02's planner cell runs the README's planner commands (with --shard-prompt-state etc.), so it prints
-    what the README shows (tests/test_plan.py checks the README's blocks against the planner)."""
+def test_capacity_notebook_plans_the_shipped_configs():
+    """Notebook 02's planner cell runs the planner command that each shipped long config quotes in its header (every
+    one of them: tests/test_plan.py checks those quotes against the planner), so it shows the configs that ship."""
     notebook = json.loads((ROOT / "notebooks" / "02_capacity.ipynb").read_text())
     cell = next("".join(c["source"]) for c in notebook["cells"] if "PLANS = [" in "".join(c["source"]))
-    namespace: dict = {}
+    namespace: dict = {"ROOT": ROOT}
     exec(cell.split("for plan in PLANS")[0], namespace)  # the plan definitions, not the loop that runs them
-    readme = (ROOT / "README.md").read_text()
-    assert len(namespace["PLANS"]) == 3
-    for plan in namespace["PLANS"]:
-        assert f"$ python -m trl_longstraw.plan {' '.join(plan)}\n" in readme, plan
+    planned = {" ".join(["--config", f"recipes/configs/{plan[1]}", *plan[2:]]) for plan in namespace["PLANS"]}
+    quoted = set()
+    for path in sorted((ROOT / "recipes" / "configs").glob("*.yaml")):
+        # The header's `#   python -m trl_longstraw.plan ...` command, with its continuation lines.
+        match = re.search(r"^#   python -m trl_longstraw\.plan (.*?)$(?<!\\)", path.read_text(), flags=re.M | re.S)
+        if match:
+            quoted.add(" ".join(re.sub(r"\\\n#\s*", " ", match.group(1)).split()))
+    assert len(quoted) == 4 and planned == quoted
 
 
 # Smaller sizes for the test run, each replacing one line of a notebook's code (the notebook must hold it, so a

@@ -380,13 +380,26 @@ def test_prefill_attention_reuse_is_counted(preset_stats):
     """`prefill_attention_reuse=True` (`--prefill-attention-reuse`): the prefill keeps, for every prompt token, 16
     full-attention layers x 24 heads x (256 bf16 + one fp32 log-sum-exp) until the reverse pass; counted as its own
     item, suggested off when the run does not fit, and nothing in detached mode or with a sharded state (which the
-    config refuses with it)."""
+    config refuses with it). The reverse pass takes a chunk's kept outputs from the prefill instead of keeping its
+    own (`Pass.attention_reuse`), so its chunk activations lose them: counted once, on CUDA and in the CPU
+    inventory (`plan.reverse_bytes`)."""
     _, stats = preset_stats["qwen3.6-27b"]
     setup = Setup(positions=200_000, gpus=8, prefill_chunk_size=4096)
     on = replace(setup, prefill_attention_reuse=True)
     kept = _item(estimate(stats, on), "prefill attention outputs")
-    assert kept == plan.state_tokens(200_000) * 16 * 24 * (256 * 2 + 4)
-    assert estimate(stats, on).to_allocate - estimate(stats, setup).to_allocate == kept
+    per_token = 16 * 24 * (256 * 2 + 4)
+    assert kept == plan.state_tokens(200_000) * per_token
+    chunk = _item(estimate(stats, setup), "chunk activations")
+    assert _item(estimate(stats, on), "chunk activations") == chunk - 4096 * per_token
+    assert estimate(stats, on).to_allocate - estimate(stats, setup).to_allocate == kept - 4096 * per_token
+    _, tiny = _tiny_stats("llama", hidden_size=96, intermediate_size=400, num_attention_heads=3, head_dim=32)
+    cpu = Setup(positions=5000, prefill_chunk_size=1000, gpus=1, compute_bytes=4, device="cpu")
+    outputs, lses = tiny.kept_attention
+    reverse = _item(estimate(tiny, cpu), "chunk activations")
+    assert reverse == 1000 * plan.reverse_bytes(tiny, 4, "cpu")
+    cpu_on = estimate(tiny, replace(cpu, prefill_attention_reuse=True))
+    assert _item(cpu_on, "chunk activations") == reverse - 1000 * (outputs * 4 + lses * 4)
+    assert _item(cpu_on, "prefill attention outputs") == 4999 * (outputs * 4 + lses * 4)
     assert all(item.name != "prefill attention outputs" for item in estimate(stats, setup).items)
     assert largest_positions(stats, on) < largest_positions(stats, setup)
     assert any("prefill_attention_reuse=False" in line for line in plan.suggestions(estimate(stats, on)))
@@ -644,6 +657,50 @@ def test_recipe_refusals(tmp_path, capsys):
     assert "rope_theta: model 10000.0, override '<missing>'" in out
 
 
+def test_shard_group_needs_the_trainers_group_size(capsys, tmp_path):
+    """The trainer's rule for a sharded prompt state (`sharding.shard_group_size`): G must be a multiple of the shard
+    group's GPUs x rows per process. The planner refuses the same setups with the trainer's own message (exit 4),
+    and without `--group-size` takes the smallest G that the trainer accepts at one row per process (8 when the
+    group is at most 8 GPUs, 32 over 32 GPUs, as the GLM-5.2 config's num_generations)."""
+    from trl_longstraw.sharding import shard_group_size
+
+    base = ["--model", "qwen3.6-27b", "--positions", "100K", "--gpu-memory", "96GB", "--mode", "detached"]
+    with pytest.raises(ValueError) as trainer:
+        shard_group_size(16, 0, 8, 1)
+    assert plan.main([*base, "--gpus", "16", "--shard-prompt-state", "--group-size", "8"]) == 4
+    out = capsys.readouterr().out
+    assert "verdict: REFUSED" in out and f"  - {trainer.value}" in out
+    for argv, group in (
+        (["--gpus", "16", "--shard-prompt-state"], 16),
+        (["--gpus", "16", "--shard-prompt-state", "--prompt-shard-group-size", "4"], 8),
+        (["--gpus", "16"], 8),
+        (["--gpus", "16", "--shard-prompt-state", "--group-size", "24", "--prompt-shard-group-size", "8"], 24),
+    ):
+        assert plan.main([*base, *argv]) == 0, argv
+        assert f"mode, {group} x 512-token completions" in capsys.readouterr().out, argv
+    assert [plan.default_group_size(g, True) for g in (1, 2, 8, 12, 32)] == [8, 8, 8, 12, 32]
+    # A recipe's generation batch is global: TRL spreads it over the processes (32 rows over 32: one per process).
+    recipe = plan.read_recipe(REPO / "recipes/configs/glm-5.2_32xh20_2.1m.yaml")
+    assert plan.rows_per_process(recipe, 32) == 1 and plan.rows_per_process(recipe, 8) == 4
+    custom = tmp_path / "r.yaml"
+    custom.write_text((REPO / "recipes/configs/tiny_cpu.yaml").read_text() + "steps_per_generation: 3\n")
+    assert (
+        plan.rows_per_process(plan.read_recipe(custom), 32)
+        == 3 * plan.read_recipe(custom).training_args.per_device_train_batch_size
+    )
+
+
+def test_scores_count_this_gpus_rows(preset_stats):
+    """The loss pass's log-probs, entropies and their gradients `[rows, C]` fp32 are of the rows a GPU holds: all G
+    unsharded, G / group when the prompt state is sharded (as the decode tail's rows)."""
+    _, stats = preset_stats["qwen3.6-27b"]
+    setup = Setup(positions=100_000, gpus=32, group_size=32, completion_length=512)
+    assert _item(estimate(stats, setup), "scores") == 4 * 32 * 512 * 4
+    sharded = replace(setup, shard_prompt_state=True)
+    assert _item(estimate(stats, sharded), "scores") == 4 * 1 * 512 * 4
+    assert _item(estimate(stats, replace(sharded, shard_group=8)), "scores") == 4 * 4 * 512 * 4
+
+
 # -------------------------------------------------------------------------- expert parallelism, offload, DP mode
 def test_expert_parallel_never_gathers_the_experts(preset_stats):
     """GLM-5.2: 256 routed experts per MoE layer, 8 per GPU over 32. FSDP2 gathers the layers without their experts
@@ -812,6 +869,48 @@ def test_dsa_selection_buffers_are_counted(preset_stats):
     assert plan.dsa_selection_bytes(preset_stats["qwen3.6-27b"][1], 4096, 2_099_999) == 0
     budget = estimate(stats, Setup(positions=2_100_000, gpus=32, shard_prompt_state=True))
     assert "DSA top-k candidates" in [i for i in budget.items if i.name == "chunk activations"][0].detail
+
+
+def test_dsa_cpu_counts_match_the_allocated_peaks(monkeypatch):
+    """On CPU the DSA selection (`plan.dsa_selection_bytes`) and the sparse MLA (`plan.sparse_attention_bytes`,
+    forward without grad and backward) are what `glm_moe_dsa`'s code allocates at its peak (profiler), at widths
+    other than the calibration's: one key block and several (then several query blocks too), a merge-bound and a
+    tile-bound selection; within 10% above and 5% below."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from calibrate_planner import allocated_peak
+
+    from trl_longstraw import glm_moe_dsa as glm
+    from trl_longstraw.testing import tiny_config
+
+    g = torch.Generator().manual_seed(0)
+    for s, prefix, index_heads, topk, key_block, tile in (
+        (512, 1500, 2, 100, 1 << 15, 1 << 26),
+        (300, 2700, 1, 256, 1024, 1 << 18),
+    ):
+        monkeypatch.setattr(glm, "INDEX_KEY_BLOCK", key_block)
+        monkeypatch.setattr(glm, "INDEX_TILE", tile)
+        widths = dict(num_attention_heads=6, num_key_value_heads=6, kv_lora_rank=40, qk_rope_head_dim=8)
+        config = tiny_config(
+            "glm_moe_dsa", vocab_size=128, index_topk=topk, index_n_heads=index_heads, index_head_dim=16, **widths
+        ).get_text_config()
+        stats = model_stats(meta_model(config), config, state_dtype_bytes=4)
+        q, weights = torch.randn(s, index_heads, 16, generator=g), torch.randn(s, index_heads, generator=g)
+        keys = [torch.randn(n, 16, generator=g) for n in (prefix // 2, prefix - prefix // 2, s)]
+        peak, sel = allocated_peak(functools.partial(glm.select_topk, q, weights, keys, prefix, topk, 0.5))
+        predicted = plan.dsa_selection_bytes(stats, s, prefix + s, device="cpu")
+        assert 0.95 <= predicted / peak <= 1.10, ("selection", s, topk, predicted, peak)
+        # The attention's output and the selection exist beside it: counted by the planner, not grown here.
+        beside = s * (6 * 40 * 4 + topk * 8)
+        q = torch.randn(s, 6, 48, generator=g, requires_grad=True)
+        parts = [torch.randn(n, 48, generator=g, requires_grad=True) for n in (prefix, s)]
+        with torch.no_grad():
+            forward, _ = allocated_peak(functools.partial(glm.sparse_latent_attention, q, parts, sel, 0.3, 40))
+        out = glm.sparse_latent_attention(q, parts, sel, 0.3, 40)
+        backward, _ = allocated_peak(functools.partial(torch.autograd.grad, out, [q, *parts], torch.ones_like(out)))
+        for autograd, peak in ((False, forward), (True, backward)):
+            predicted = plan.sparse_attention_bytes(stats, s, autograd) - beside
+            assert 0.95 <= predicted / peak <= 1.10, ("attention", autograd, s, topk, predicted, peak)
+    assert plan.sparse_attention_bytes(model_stats(meta_model(LlamaConfig()), LlamaConfig()), 100, True) == 0
 
 
 @pytest.mark.slow

@@ -44,6 +44,31 @@ class PositionCounter:
                 self.counts[token] = self.counts.get(token, 0) + 1
 
 
+class MlpPromptTokens:
+    """Counts the prompt tokens (counted positions, as `PositionCounter`) that the MLPs of a backbone's first and last
+    decoder layers compute, forward or recomputed: each MLP call is charged the counted positions of the backbone
+    call in progress (a gradient-checkpointing recompute runs in the backward of the pass that ran the forward)."""
+
+    def __init__(self, backbone, positions: dict[int, set[int]]):
+        self.counter = PositionCounter(backbone, positions)
+        self.current = 0
+        self.counts = {"first": 0, "last": 0}
+        self.handles = [backbone.register_forward_pre_hook(self.call, with_kwargs=True)]
+        for name, layer in (("first", backbone.layers[0]), ("last", backbone.layers[-1])):
+            # The MLP's first linear layer (a MoE block's shared experts' run every token): it runs when the MLP
+            # computes, where the MLP module's own hooks run even when its forward is replaced.
+            linear = next(m for m in layer.mlp.modules() if isinstance(m, torch.nn.Linear))
+            self.handles.append(linear.register_forward_hook(lambda *_, name=name: self.charge(name)))
+
+    def call(self, module, args, kwargs):
+        before = sum(self.counter.counts.values())
+        self.counter.hook(module, args, kwargs)
+        self.current = sum(self.counter.counts.values()) - before
+
+    def charge(self, name: str) -> None:
+        self.counts[name] += self.current
+
+
 def prompt_positions(prompt_tokens: list[list[int]], width: int | None = None) -> dict[int, set[int]]:
     """Where each counted token (all but the last of each prompt) runs: at `j` and, left-padded to `width` (default
     the longest prompt), at `pad + j`."""
@@ -166,17 +191,27 @@ def offer_launch(request, tiny_model_path, tmp_path_factory):
 def test_one_prefill_per_step_with_trl_defaults(tiny_model_path, family, mode):
     """TRL's defaults (`beta=0`, `num_iterations=1`): the loss pass takes generation's prompt state, so the policy
     runs each prompt once per step in detached mode and twice in exact mode (prefill, reverse); stock runs it G
-    times to generate and G times in the loss forward."""
+    times to generate and G times in the loss forward. The last decoder layer's MLP runs no prompt token in ours (its
+    outputs at prompt positions are never read), the first layer's runs each of them in every prompt pass."""
     stock, ours = make_pair(
         tiny_model_path(family),
         longstraw={"prompt_gradient": mode, "prefill_chunk_size": 4},
         **settings(beta=0.0, num_iterations=1),
     )
+    mlps = {}
+    for name, trainer in (("ours", ours), ("stock", stock)):
+        tokens = [trainer.processing_class(text=p)["input_ids"] for p in PROMPTS]
+        mlps[name] = MlpPromptTokens(trainer.model.base_model, prompt_positions(tokens))
     ours_steps = run(ours, separate_ref=False)
     stock_steps = run(stock, separate_ref=False)
     once = 1 if mode == "detached" else 2
     assert ours_steps == [{"policy": [once, once]}] * 2
     assert stock_steps == [{"policy": [2 * G, 2 * G]}] * 2
+    positions = sum(len(p.split()) - 1 for p in PROMPTS)
+    steps = len(ours_steps)
+    # At least once per pass (a gradient-checkpointing recompute runs the first layer's MLP again).
+    assert mlps["ours"].counts["last"] == 0 < steps * once * positions <= mlps["ours"].counts["first"]
+    assert mlps["stock"].counts["last"] == mlps["stock"].counts["first"] >= steps * 2 * G * positions
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The `trl-longstraw` command: GRPO with long prompts from a recipe config, after `pip install trl_longstraw`.
+"""The `trl-longstraw` command: GRPO with long prompts from a recipe config, after `pip install .` in a checkout
+(trl_longstraw is not on PyPI).
 
     trl-longstraw grpo --config config.yaml [--flag value ...]
     accelerate launch [launch options] -m trl_longstraw.cli grpo --config config.yaml [--flag value ...]
@@ -48,13 +49,16 @@ USAGE = "usage: trl-longstraw grpo --config CONFIG.yaml [--field value ...]   (t
 
 
 def parse(
-    argv: list[str], defaults: dict | None = None
+    argv: list[str], defaults: dict | None = None, prog: str | None = None
 ) -> tuple[LongStrawScriptArguments, LongStrawGRPOConfig, ModelConfig]:
     """Parses the `grpo` command's arguments `argv` (a `--config` YAML and flags) with the recipe's parser.
 
-    `defaults`, if given, replace the fields' defaults (a YAML and flags still override them).
+    `defaults`, if given, replace the fields' defaults (a YAML and flags still override them). `prog` names the
+    command in `--help` and usage errors (argparse's default is the script's file name, e.g. `cli.py`).
     """
     parser = make_parser()
+    if prog is not None:
+        parser.prog = prog
     if defaults:
         parser.set_defaults_with_config(**defaults)
     return parser.parse_args_and_config(argv)
@@ -301,9 +305,10 @@ def train(
     return trainer
 
 
-def main(argv: list[str] | None = None, defaults: dict | None = None) -> int:
+def main(argv: list[str] | None = None, defaults: dict | None = None, prog: str | None = None) -> int:
     """The `trl-longstraw` command line (`argv` defaults to `sys.argv[1:]`); returns the exit status, 2 for a usage
-    error. `defaults` replace the fields' defaults, as in `parse`."""
+    error. `defaults` replace the fields' defaults, as in `parse`; `prog` names the command in its `--help` (default
+    `trl-longstraw <command>`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + __doc__.split("\n\n")[0])
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None, defaults: dict | None = None) -> int:
     if not rest and not defaults:
         print(f"trl-longstraw {command}: give a recipe config\n{USAGE}", file=sys.stderr)
         return 2
-    trainer = train(*parse(rest, defaults))
+    trainer = train(*parse(rest, defaults, prog=prog or f"trl-longstraw {command}"))
     if trainer.accelerator.num_processes > 1:
         # The run is complete and the process group destroyed; a gloo (CPU) run can still abort in interpreter
         # teardown ("terminate called without an active exception"), which the launcher would report as a failure.

@@ -27,24 +27,28 @@ class LongStrawGRPOConfig(GRPOConfig):
             Shuffle whole groups of completions, not rows, when the generation batch is split into micro-batches,
             so that the completions of one prompt share one prefill.
         prefill_progress (`bool`, *optional*, defaults to `True`):
-            Show a progress bar over the prefill chunks of prompts longer than one chunk (main process only).
+            Show progress bars for prompts longer than one chunk (main process only): over the prefill chunks, the
+            decoding steps of shared-prompt generation, the loss pass's branches and the exact-mode reverse pass's
+            chunks.
         shard_prompt_state (`bool`, *optional*, defaults to `False`):
             Spread each prompt's state over the ranks of a shard group: each rank keeps 1/W of the prompt chunks and
             attention over the prompt merges the ranks' parts. The ranks of a group must hold the same prompts in
             every micro-batch (different completions of them). State memory shrinks W times, and so does the
-            prompt attention of the prefill and reverse passes; for llama-type models and Qwen3.5/3.6 the ranks also
-            split those passes' tokens (context parallelism: each rank runs 1/W of the prompt through every layer).
+            prompt attention of the prefill and reverse passes; for llama-type models, Qwen3.5/3.6 and GLM-5/5.2 the
+            ranks also split those passes' tokens (context parallelism: each rank runs 1/W of the prompt through every
+            layer).
             Every attention (and DeltaNet) layer of every pass exchanges partial results. Gradients equal the
             unsharded ones up to float rounding.
         prompt_shard_group_size (`int`, *optional*, defaults to `0`):
             Ranks per shard group, consecutive in rank order (e.g. the GPUs of one node); `0` means all processes.
-            Must divide the number of processes. Under FSDP2 smaller groups pad their passes to the other groups'
-            (one-token filler passes), so FSDP2 gathers the model layer by layer with any group size.
+            Must divide the number of processes; needs `shard_prompt_state=True` (without a sharded state there are
+            no shard groups, so a nonzero value is refused). Under FSDP2 smaller groups pad their passes to the other
+            groups' (one-token filler passes), so FSDP2 gathers the model layer by layer with any group size.
         reverse_checkpointing (`bool`, *optional*, defaults to `True`):
             Exact mode with `gradient_checkpointing`: the reverse pass recomputes each layer of a prompt chunk during
             the chunk's backward, as stock's checkpointing does. `False` keeps the chunk's whole autograd graph
-            instead: one forward of the chunk less (benchmarks/LIMIT.md), every layer's activations of one chunk live
-            at once; a smaller `prefill_chunk_size` brings that memory back down. Same gradients.
+            instead: one forward of the chunk less (benchmarks/LIMIT_8K_REVERSE_off.md), every layer's activations of
+            one chunk live at once; a smaller `prefill_chunk_size` brings that memory back down. Same gradients.
         offload_boundary_states (`bool`, *optional*, defaults to `False`):
             Exact mode: keep the recurrent layers' state at each prompt chunk boundary (Gated DeltaNet; needed only by
             the reverse pass) in host memory, pinned on CUDA, and bring each back one chunk ahead of the reverse pass
@@ -59,11 +63,11 @@ class LongStrawGRPOConfig(GRPOConfig):
         prefill_attention_reuse (`bool`, *optional*, defaults to `False`):
             Exact mode, prompt state not sharded: the prefill keeps each attention layer's output and log-sum-exp for
             every prompt token, and the reverse pass's forward of each chunk takes them instead of attending again
-            (the same chunk from the same records). Same gradients; saves one attention forward over the prompt
-            (about a fifth of the tiny qwen3_5 exact step at 32K, benchmarks/LIMIT.md) and holds one attention output
-            per attention layer and prompt token from the prefill until the reverse pass reaches its chunk (3 times
-            the keys and values on Qwen3.6-27B, counted by `trl_longstraw.plan`). Models whose attention does not go
-            through the KV path (`glm_moe_dsa`) keep nothing.
+            (the same chunk from the same records). Same gradients; saves one attention forward over the prompt (7%
+            of the tiny qwen3_5 exact step at 16K, benchmarks/LIMIT_32K_PREFILL_REUSE.md) and holds one attention
+            output per attention layer and prompt token from the prefill until the reverse pass reaches its chunk (3
+            times the keys and values on Qwen3.6-27B, counted by `trl_longstraw.plan`). Models whose attention does
+            not go through the KV path (`glm_moe_dsa`) keep nothing.
         expert_parallel_size (`int`, *optional*, defaults to `1`):
             MoE models (`glm_moe_dsa`, `qwen3_moe`): spread each MoE layer's experts over groups of this many ranks
             through transformers' expert parallelism (`DistributedConfig(ep_size=...)`, the model's
@@ -119,7 +123,11 @@ class LongStrawGRPOConfig(GRPOConfig):
     )
     prefill_progress: bool = field(
         default=True,
-        metadata={"help": "Show a progress bar over the prefill chunks of prompts longer than one chunk."},
+        metadata={
+            "help": "Show progress bars for prompts longer than one chunk (main process): over the prefill chunks, "
+            "the decoding steps of shared-prompt generation, the loss pass's branches and the exact-mode reverse "
+            "pass's chunks."
+        },
     )
     memory_guard: bool = field(
         default=True,
@@ -139,8 +147,9 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=0,
         metadata={
             "help": "Ranks per prompt shard group, consecutive in rank order (e.g. one node's GPUs); 0 means all "
-            "processes. Must divide the number of processes. Under FSDP2 smaller groups pad their passes to the other "
-            "groups' (one-token fillers), so FSDP2 gathers layer by layer with any group size."
+            "processes. Must divide the number of processes; needs shard_prompt_state=True. Under FSDP2 smaller "
+            "groups pad their passes to the other groups' (one-token fillers), so FSDP2 gathers layer by layer with "
+            "any group size."
         },
     )
     reverse_checkpointing: bool = field(
@@ -229,6 +238,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"prompt_shard_group_size={self.prompt_shard_group_size!r} must be 0 (all processes) or a positive "
                 "number of ranks that divides the number of processes."
+            )
+        if self.prompt_shard_group_size and not self.shard_prompt_state:
+            # Only the sharded prompt state forms shard groups; the expert-parallel group is expert_parallel_size.
+            raise ValueError(
+                f"prompt_shard_group_size={self.prompt_shard_group_size} only applies to a sharded prompt state: set "
+                "shard_prompt_state=True, or drop prompt_shard_group_size (0, the default)."
             )
         ep = self.expert_parallel_size
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:

@@ -107,7 +107,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, world: int, group):
         ctx.group = group
         out = x.new_empty(world, *x.shape)
-        dist.all_gather_into_tensor(out, x.contiguous()[None], group=group)
+        dist.all_gather_single(out, x.contiguous()[None], group=group)
         return out
 
     @staticmethod

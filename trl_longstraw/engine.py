@@ -120,6 +120,17 @@ class Pass:
         # (`PromptState.attention`); in a reverse chunk's forward, layer -> what the prefill's attention of that
         # chunk returned, taken once instead of attending again. None elsewhere.
         self.carried: dict[int, dict] | None = None
+        # A prompt pass (prefill, reverse chunk, or their lockstep fillers): the index of the last decoder layer, whose
+        # outputs nothing reads (later tokens read only its records, and the last prompt position's logit comes from
+        # the branches). Its token mixer may then compute its records alone and return zeros (`Engine._records_only`
+        # skips its MLP and the final norm). None elsewhere.
+        self.records_only: int | None = None
+
+    def outputs_unread(self, layer_idx: int) -> bool:
+        """Whether the token mixer of `layer_idx` may emit its record and return zeros instead of its output: the last
+        layer in a prompt pass (`records_only`) of an unsharded state (a sharded attention is collective, and its ranks
+        run it whole)."""
+        return self.records_only == layer_idx and self.shard is None
 
     def attention_reuse(self, layer_idx: int) -> dict | None:
         """The `reuse` slot of this layer's prompt attention (`attention.prefix_merge_attention`).
@@ -385,7 +396,9 @@ class Engine:
         causal_lm: the unwrapped `PreTrainedModel` under `model` (PEFT layers in place, if any).
         adapter: the architecture adapter of `causal_lm`.
         chunk_size: prompt tokens per prefill (and reverse) chunk.
-        progress: show a progress bar over prefill chunks for prompts of several chunks.
+        progress: show a progress bar over the prefill chunks, one over the loss pass's branches and one over the
+            exact-mode reverse pass's, for prompts of several chunks (at a million tokens each pass takes minutes);
+            generation adds one over each such prompt's decoding steps (`generation.shared_prompt_decoder`).
         shards: a `sharding.PromptShards` to shard the prompt state across its ranks, which then run in lockstep.
         autocast: a factory of the context manager every forward runs in: the autocast of stock's forward under
             mixed precision (entered per forward, so its weight-cast cache lives as long as stock's does), else
@@ -447,9 +460,10 @@ class Engine:
         # stock's one forward over its P + C positions.
         self.rope = RotaryPin(causal_lm)
         # Prompt states held for a later pass over the same prompt with the same weights, oldest first: offered by
-        # generation (`offer`, flagged True) or kept by the scoring pass of a micro-batch for its backward pass. Each
-        # is stamped with the weights' version it was computed with (`weights_version`).
-        self._held: dict[tuple[int, bytes], tuple[int, PromptState, bool]] = {}
+        # generation (`offer`) or kept by the scoring pass of a micro-batch for its backward pass. Each is stamped with
+        # the weights' version it was computed with (`weights_version`), whether it was offered, and the bytes it
+        # counts against `hold_budget`.
+        self._held: dict[tuple[int, bytes], tuple[int, PromptState, bool, int]] = {}
         # Bytes that the held states other than the newest may take (None: no limit). The trainer sets it from the
         # memory guard on GPU; the newest state is always held, as the loss pass holds one state anyway.
         self.hold_budget: int | None = None
@@ -461,7 +475,7 @@ class Engine:
 
     def held(self) -> dict[tuple[int, bytes], PromptState]:
         """The held prompt states by prompt key `(pad, token bytes)`, oldest first."""
-        return {key: state for key, (_, state, _) in self._held.items()}
+        return {key: held[1] for key, held in self._held.items()}
 
     def weights_version(self) -> int:
         """A number that changes whenever a parameter of the model is modified in place (an optimizer step, loading
@@ -474,30 +488,39 @@ class Engine:
         The scoring pass of a micro-batch then takes it instead of prefilling the same prompt again, as long as the
         weights have not changed (`weights_version`) and the state has the chunk boundaries the pass needs.
         """
-        self._hold(_key(group), state, offered=True)
+        self._hold(group, state, offered=True)
 
-    def _hold(self, key: tuple[int, bytes], state: PromptState, offered: bool = False) -> None:
-        """Holds `state` under `key`, dropping states of older weights, then the oldest ones beyond `hold_budget`."""
+    def _hold(self, group: PromptGroup, state: PromptState, offered: bool = False) -> None:
+        """Holds `state` under `group`'s key, dropping states of older weights, then the oldest ones beyond
+        `hold_budget`.
+
+        Sharded, the ranks of a shard group hold different shares of each state but must keep the same states, as
+        they prefill a dropped prompt again together: each state counts the largest share of any rank of the group
+        (one all-reduce of one number, which every rank of the group issues here, as they prefill and offer the
+        same prompts together), so the ranks drop the same ones.
+        """
+        key = _key(group)
         version = self.weights_version()
-        for old in [k for k, (v, _, _) in self._held.items() if v != version]:
+        for old in [k for k, held in self._held.items() if held[0] != version]:
             del self._held[old]
         self._held.pop(key, None)
-        self._held[key] = (version, state, offered)
+        size = state.nbytes()
+        if self.hold_budget is not None and self.shards is not None:
+            size = self.shards.extremes([size], group.tokens.device)[1][0]
+        self._held[key] = (version, state, offered, size)
         if self.hold_budget is None:
             return
-        # A budget of 0 holds the newest state only, whatever the others' sizes: sharded, the ranks hold different
-        # shares of each state, and must still agree on which states they hold.
-        while len(self._held) > 1 and (
-            self.hold_budget == 0 or sum(s.nbytes() for _, s, _ in list(self._held.values())[:-1]) > self.hold_budget
-        ):
+        while len(self._held) > 1 and sum(held[3] for held in list(self._held.values())[:-1]) > self.hold_budget:
             del self._held[next(iter(self._held))]
             if not self._hold_warned:
                 self._hold_warned = True
                 logger.warning(
-                    f"the prompt states of this step do not all fit in the {self.hold_budget / 2**30:.2f} GiB that "
-                    "the memory guard leaves for holding them: some prompts are prefilled again in the loss pass "
-                    "(once more per pass than with all states held). Shorter prompts, fewer distinct prompts per "
-                    "micro-batch and generation batch, or more GPU memory avoid it."
+                    "the prompt states of a micro-batch or generation batch do not all fit in the "
+                    f"{self.hold_budget / 2**30:.2f} GiB that the memory guard leaves for holding them beside the one "
+                    f"in use (the newest takes {size / 2**30:.2f} GiB): some prompts are prefilled again in the loss "
+                    "pass (once more per pass than with all states held). Shorter prompts, fewer distinct prompts per "
+                    "micro-batch and generation batch, shard_prompt_state or more GPU memory avoid it. Said once per "
+                    "run."
                 )
 
     def _take(self, key: tuple[int, bytes], boundaries: bool) -> PromptState | None:
@@ -510,6 +533,39 @@ class Engine:
     # ----------------------------------------------------------------------------------------------------- prompt
     def _backbone(self):
         return self.causal_lm.base_model
+
+    @contextlib.contextmanager
+    def _records_only(self, p: Pass):
+        """A prompt pass `p` (prefill, reverse chunk, or their fillers): the last decoder layer's outputs are never
+        read (later tokens read its records alone; the branches compute the last prompt position's logit), so for the
+        block its post-attention norm and MLP return zeros, the backbone's final norm returns its input, and its token
+        mixer may compute its records alone (`Pass.outputs_unread`). The prefill then spends nothing on them, and the
+        reverse pass neither recomputes them nor keeps their graph, which its backward never consumes (the backbone's
+        output gets no gradient). Fillers run the same modules as the passes they pad, so FSDP2 and expert-parallel
+        collectives still match. Nothing for a backbone without `layers` and `norm`.
+        """
+        backbone = self._backbone()
+        layers = getattr(backbone, "layers", None)
+        last = layers[getattr(backbone.config, "num_hidden_layers", len(layers)) - 1] if layers else None
+        parts = [getattr(last, name, None) for name in ("post_attention_layernorm", "mlp")] + [
+            getattr(backbone, "norm", None)
+        ]
+        if not all(isinstance(m, torch.nn.Module) for m in parts):
+            yield
+            return
+        p.records_only = getattr(backbone.config, "num_hidden_layers", len(layers)) - 1
+
+        def zeros(module, hidden_states, *args, **kwargs):
+            # A 0-dim zero: the layer's residual add broadcasts it.
+            return hidden_states.new_zeros(())
+
+        def identity(module, hidden_states, *args, **kwargs):
+            return hidden_states
+
+        with contextlib.ExitStack() as stack:
+            for module, forward in zip(parts, (identity, zeros, identity), strict=True):
+                stack.enter_context(_forward_replaced(module, forward))
+            yield
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, n)) for s in range(0, n, self.chunk_size)]
@@ -552,12 +608,12 @@ class Engine:
         if reuse:
             state = self._take(key, boundaries)
             if state is not None:
-                version, _, offered = self._held.pop(key)
+                version, _, offered, size = self._held.pop(key)
                 if offered:
                     self.stats.reused_positions += sum(state.chunk_lengths)
                     self.stats.state_bytes = max(self.stats.state_bytes, state.nbytes())
                 if keep:  # held again, as the newest, now kept by this pass
-                    self._held[key] = (version, state, False)
+                    self._held[key] = (version, state, False, size)
                 return state
         t0 = time.perf_counter()
         prefix = group.tokens[:-1]
@@ -572,7 +628,7 @@ class Engine:
                 p = Pass(state, visible=state.num_chunks, append=True, shard=self.shards, cp=cp)
                 if boundaries and self.prefill_attention:
                     p.carried = {}
-                with use_pass(p), self.autocast():
+                with use_pass(p), self._records_only(p), self.autocast():
                     self._backbone()(
                         input_ids=prefix[None, start:end],
                         position_ids=self._positions(group.pad + start, end - start, prefix.device),
@@ -594,7 +650,7 @@ class Engine:
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.state_bytes = max(self.stats.state_bytes, state.nbytes())
         if keep:
-            self._hold(key, state)
+            self._hold(group, state)
         return state
 
     def _reusable(self, key: tuple[int, bytes], boundaries: bool) -> bool:
@@ -640,6 +696,7 @@ class Engine:
             firsts.append(firsts[-1] + len(bounds))
         if not state.boundaries:
             raise RuntimeError("the exact-mode reverse pass needs a state prefilled with boundaries=True")
+        bar = tqdm(total=prefix.shape[0], desc="reverse", unit="tok", disable=not self.progress or len(passes) < 2)
         with self.adapter.activate():
             for i in reversed(range(len(passes))):
                 bounds, c = passes[i], firsts[i]
@@ -662,11 +719,14 @@ class Engine:
                     p.sink = {}
                     p.carried = carried or None
                     checkpointed = (
-                        self._backbone().is_gradient_checkpointing and self.checkpoint_reverse and self.attention_reuse
+                        self._backbone().is_activation_checkpointing
+                        and self.checkpoint_reverse
+                        and self.attention_reuse
                     )
                     # The recompute of each layer takes its attention's output instead of attending again.
                     with (
                         use_pass(p),
+                        self._records_only(p),
                         torch.enable_grad(),
                         _checkpointing_off(self._backbone(), not self.checkpoint_reverse),
                         p.keeping_attention(checkpointed),
@@ -704,6 +764,8 @@ class Engine:
                             torch.autograd.backward(outputs, grads)
                 for records in state.records.values():
                     records[c : last + 1] = [None] * (last + 1 - c)
+                bar.update(bounds[-1][1] - bounds[0][0])
+        bar.close()
         self.stats.reverse_s += time.perf_counter() - t0
         return ran
 
@@ -764,15 +826,12 @@ class Engine:
         """
         ids = torch.zeros(1, 1, dtype=torch.long, device=device)
         grad = kind == REVERSE or backward_fn is not None
-        with (
-            self.adapter.activate(),
-            use_pass(Pass(PromptState(), visible=0, append=kind == PREFILL)),
-            torch.set_grad_enabled(grad),
-        ):
+        p = Pass(PromptState(), visible=0, append=kind == PREFILL)
+        with self.adapter.activate(), use_pass(p), torch.set_grad_enabled(grad):
             if kind == BRANCH:
                 self._zero_branch(None, backward_fn, device)
                 return
-            with self.autocast():
+            with self._records_only(p), self.autocast():
                 hidden = self._backbone()(input_ids=ids, position_ids=ids, use_cache=False).last_hidden_state
             if kind == REVERSE:
                 # Inside the pass and the adapter: gradient checkpointing recomputes the layers during backward.
@@ -1010,18 +1069,26 @@ class Engine:
             t0 = time.perf_counter()
             done = 0
             p = Pass(state, visible=state.num_chunks, shard=self.shards)
+            # Under gradient checkpointing, each branch's recompute takes its attention outputs from its forward
+            # (`Pass.keeping_attention`) instead of attending to the prompt again: bitwise the same, for one attention
+            # output per layer and branch token. A sharded state's branch rounds attend again (`sharding.attend`).
+            checkpointed = self._backbone().is_activation_checkpointing
+            # A bar between the prefill's and the reverse pass's: the branches' replays and backwards.
+            rows = tqdm(slot.rows, desc="branches", disable=not self.progress or self._num_passes(group) < 2)
             with self.adapter.activate(), use_pass(p):
-                for row in slot.rows:
+                for row in rows:
                     done += 1
                     if row is None:
                         self._zero_branch(group, backward_fn, device)
                         continue
                     n = lengths[row]
-                    lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
-                    surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
-                    if grad_entropies is not None:
-                        surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
-                    backward_fn(surrogate)
+                    with p.keeping_attention(checkpointed):
+                        lp, ent = self._forward_branch(*self._branch(group, completion_ids[row], n))
+                        p.filling = False
+                        surrogate = (lp[0] * grad_logps[row, :n].to(lp.dtype)).sum()
+                        if grad_entropies is not None:
+                            surrogate = surrogate + (ent[0] * grad_entropies[row, :n].to(ent.dtype)).sum()
+                        backward_fn(surrogate)
                 self._pad(slot, BRANCH, done, device, backward_fn)
             self.stats.replay_s += time.perf_counter() - t0
             self._pad(slot, REVERSE, self.reverse(group, state) if exact else 0, device)
@@ -1040,6 +1107,23 @@ def _checkpointing_off(backbone, off: bool):
     finally:
         for m in layers:
             m.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
+def _forward_replaced(module: torch.nn.Module, forward: Callable):
+    """`module` runs `forward(module, ...)` instead of its own forward for the duration of the block; its hooks still
+    run. Under accelerate's device hooks the instance `forward` is the hook, which calls `_old_forward`: that one is
+    replaced instead."""
+    name = "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+    previous = module.__dict__.get(name)
+    setattr(module, name, functools.partial(forward, module))
+    try:
+        yield
+    finally:
+        if previous is None:
+            delattr(module, name)
+        else:
+            setattr(module, name, previous)
 
 
 def _key(group: PromptGroup) -> tuple[int, bytes]:

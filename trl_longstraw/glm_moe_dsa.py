@@ -87,10 +87,16 @@ except ImportError:  # no Triton: the PyTorch code below, which is also the kern
 # gathered rows (and the `[Q, heads, k]` scores) alive during its forward and backward: 2^18 slots of 576 fp32 values
 # are 0.6 GB.
 ATTN_SLOTS = 1 << 18
+# Selected rows copied at once between the record chunks and the gathered rows (`_Routing`), so that the copies do
+# not hold a second `[ATTN_SLOTS, kv_lora_rank + rope]`.
+ROUTE_ROWS = 1 << 14
 # Keys per indexer block (a block may span record chunks), and query x head x key elements of one fp32 indexer score
 # tile `[Q, heads, keys]` (2^26: 256 MB).
 INDEX_KEY_BLOCK = 1 << 15
 INDEX_TILE = 1 << 26
+# Query x candidate elements whose tie ranks the top-k merge counts at once (`_keep_topk`: an int32 cumsum and its
+# input's int32 copy, 2^20 elements: 4 MiB each).
+TOPK_SLICE = 1 << 20
 # Query rows of every rank gathered at once by the exchanges of a sharded prompt state (branch rounds and
 # context-parallel rounds, `exchange_slices`): bounds the gathered indexer queries, absorbed queries `[rows, heads,
 # R + Dr]`, top-k candidates and partial latents `[rows, heads, R + 1]` fp32 alive at once. GLM-5.2: about 1.8 GiB.
@@ -108,7 +114,8 @@ def _index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sc
 
     The operations of `GlmMoeDsaIndexer.forward`: fp32 dot products, ReLU, then a weighted sum over heads.
     """
-    scores = torch.relu(torch.matmul(q.float(), keys.float().T) * scale)  # [Q, H, K]
+    scores = torch.matmul(q.float(), keys.float().T)  # [Q, H, K]
+    scores.mul_(scale).relu_()  # in place: one tile alive, not three
     return torch.matmul(weights[:, None, :], scores)[:, 0]
 
 
@@ -137,18 +144,64 @@ def _key_blocks(parts: list[tuple[int, torch.Tensor]], block: int):
         yield flush()
 
 
-def _keep_topk(values: torch.Tensor, keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `k` best candidates of each row of `values`/`keys` `[Q, m]`, the earlier column winning ties, in column
-    order. One `topk` for the cut-off value, then a mask, so the merge is linear in `m`."""
-    cutoff = values.topk(k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-    above = values > cutoff
-    tied = values == cutoff
-    keep = above | (tied & (tied.cumsum(dim=1) <= k - above.sum(dim=1, keepdim=True)))
-    cols = keep.nonzero()[:, 1]
-    if cols.numel() != k * values.shape[0]:
+def _keep_topk(
+    values: torch.Tensor,
+    keys: torch.Tensor,
+    k: int,
+    running: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` best candidates of each row, the earlier column winning ties, in column order: of `running`
+    `(values, keys)` `[Q, r]` (if any) followed by `values` `[Q, n]` with key numbers `keys` (`[Q, n]`, or `[1, n]`
+    shared by the rows), as if the two were concatenated (`k < r + n`).
+
+    One `topk` for the cut-off value, then masks, so the merge is linear in `r + n`. Nothing of the width `r + n`
+    is built but one bool mask: the cut-off comes from the new candidates' own top `k`, the tie ranks (a cumsum) are
+    counted `TOPK_SLICE` elements at a time, and the kept values and key numbers are gathered from the two sets.
+    Per new candidate this holds its fp32 score (the caller's) and a byte of mask, not 34 bytes of copies.
+    """
+    q, n = values.shape
+    r = 0 if running is None else running[0].shape[1]
+    top = values.topk(min(k, n), dim=1, sorted=False).values
+    if r:  # the k-th best of the union is among the running candidates and the new ones' top k
+        top = torch.cat([running[0], top], dim=1).topk(k, dim=1, sorted=False).values
+    cutoff = top.amin(dim=1, keepdim=True)  # NaN if a row has one: then nothing is kept
+    del top
+    # Candidates equal to the cut-off that each row keeps: the first `quota` of them, in column order. Counted a
+    # slice at a time too: a bool sum goes through an int64 copy. Tie ranks in int32: no int64 copies either.
+    step = max(1, TOPK_SLICE // max(q, 1))
+    quota = k - sum((values[:, a : a + step] > cutoff).sum(dim=1, keepdim=True) for a in range(0, n, step))
+    keep = torch.empty(q, r + n, dtype=torch.bool, device=values.device)
+    if r:
+        above, tied = running[0] > cutoff, running[0] == cutoff
+        quota = quota - above.sum(dim=1, keepdim=True)
+    quota = quota.to(torch.int32)
+    if r:
+        ranks = tied.cumsum(dim=1, dtype=torch.int32)
+        keep[:, :r] = above | (tied & (ranks <= quota))
+        quota = quota - torch.minimum(ranks[:, -1:], quota)
+        del above, tied, ranks
+    for a in range(0, n, step):
+        part = values[:, a : a + step]
+        tied = part == cutoff
+        ranks = tied.cumsum(dim=1, dtype=torch.int32)
+        torch.gt(part, cutoff, out=keep[:, r + a : r + a + step])
+        keep[:, r + a : r + a + step] |= tied & (ranks <= quota)
+        quota = quota - torch.minimum(ranks[:, -1:], quota)
+        del tied, ranks
+    cols = keep.nonzero()[:, 1].clone()  # not a view that keeps the row numbers alive too
+    del keep
+    if cols.numel() != k * q:
         raise ValueError("the DSA indexer produced NaN scores")
-    cols = cols.view(-1, k)
-    return values.gather(1, cols), keys.gather(1, cols)
+    cols = cols.view(q, k)
+    new_keys = keys.expand(q, -1)
+    if not r:
+        return values.gather(1, cols), new_keys.gather(1, cols)
+    old = cols < r
+    at_old, at_new = cols.clamp(max=r - 1), (cols - r).clamp_(min=0)
+    return (
+        torch.where(old, running[0].gather(1, at_old), values.gather(1, at_new)),
+        torch.where(old, running[1].gather(1, at_old), new_keys.gather(1, at_new)),
+    )
 
 
 def _pad_columns(values: torch.Tensor, keys: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,10 +257,15 @@ def _running_topk(
                 continue  # every key of the block is in the future of these queries
             block_values = _index_scores(q[qs:qe], weights[qs:qe], block, scale)
             if query_start is not None and last > query_start + qs:
-                block_values = block_values.masked_fill(numbers[None, :] > query_pos[qs:qe, None], float("-inf"))
-            values = torch.cat([running[b][0], block_values], dim=1)
-            keys = torch.cat([running[b][1], numbers[None, :].expand(qe - qs, -1)], dim=1)
-            running[b] = _keep_topk(values, keys, topk) if values.shape[1] > topk else (values, keys)
+                block_values.masked_fill_(numbers[None, :] > query_pos[qs:qe, None], float("-inf"))
+            values, keys = running[b]
+            if values.shape[1] + block_values.shape[1] > topk:
+                # Merged without concatenating: the running set stays `[Q, topk]`, the block's scores its only copy.
+                running[b] = _keep_topk(block_values, numbers[None, :], topk, running=running[b])
+            else:
+                keys = torch.cat([keys, numbers[None, :].expand(qe - qs, -1)], dim=1)
+                running[b] = torch.cat([values, block_values], dim=1), keys
+            del values, keys, block_values
     running = [_keep_topk(v, k, topk) if v.shape[1] > topk else (v, k) for v, k in running]
     width = max(v.shape[1] for v, _ in running)
     padded = [_pad_columns(v, k, width) for v, k in running]
@@ -454,10 +512,12 @@ class _Routing:
         ]
 
     def gather(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """`[M, D]` rows of `parts` (`[n_i, D]` each) in slot order, zeros for empty slots."""
+        """`[M, D]` rows of `parts` (`[n_i, D]` each) in slot order, zeros for empty slots. Copied `ROUTE_ROWS` rows
+        at a time, so that no second `[M, D]` exists."""
         out = torch.zeros(self.numel, parts[0].shape[1], dtype=dtype, device=parts[0].device)
         for p, slots, rows in self.pieces:
-            out[slots] = parts[p][rows].to(dtype)
+            for a in range(0, slots.shape[0], ROUTE_ROWS):
+                out[slots[a : a + ROUTE_ROWS]] = parts[p][rows[a : a + ROUTE_ROWS]].to(dtype)
         return out
 
     def scatter_add(self, grads: list[torch.Tensor | None], src: torch.Tensor, parts: list[torch.Tensor], need):
@@ -466,7 +526,9 @@ class _Routing:
             if need[p]:
                 if grads[p] is None:
                     grads[p] = torch.zeros(parts[p].shape, dtype=src.dtype, device=src.device)
-                grads[p].index_add_(0, rows, src[slots])
+                # `ROUTE_ROWS` rows at a time, in slot order: the same additions in the same order.
+                for a in range(0, slots.shape[0], ROUTE_ROWS):
+                    grads[p].index_add_(0, rows[a : a + ROUTE_ROWS], src[slots[a : a + ROUTE_ROWS]])
 
 
 def _latent_scores(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
@@ -498,6 +560,7 @@ class _SparseLatentAttention(torch.autograd.Function):
             lse[qs:qe] = torch.logsumexp(scores, dim=-1)
             p = torch.exp(scores - _finite(lse[qs:qe])[:, :, None])
             out[qs:qe] = torch.einsum("qhk,qkr->qhr", p, kv[..., :rank])
+            del kv, scores, p  # before the next block's are built
         ctx.scale, ctx.rank = scale, rank
         ctx.save_for_backward(sel, q, out, lse, *parts)
         return out.to(q.dtype), lse
@@ -531,6 +594,8 @@ class _SparseLatentAttention(torch.autograd.Function):
                 dkv = torch.einsum("qhk,qhd->qkd", ds, qb)
                 dkv[..., :rank] += torch.einsum("qhk,qhr->qkr", p, do)
                 route.scatter_add(dparts, dkv.reshape(-1, dkv.shape[-1]), parts, need)
+                del dkv
+            del kv, p, ds, route  # before the next block's are built
         grads = [None if g is None else g.to(x.dtype) for g, x in zip(dparts, parts, strict=True)]
         return None, None, None, dq.to(q.dtype), *grads
 
@@ -703,13 +768,23 @@ def _indexer_rows(
     q = module.wq_b(q_resid).view(b, s, module.n_heads, module.head_dim)
     rope, rest = module.qk_rope_head_dim, module.head_dim - module.qk_rope_head_dim
     q_rot, q_pass = torch.split(q, [rope, rest], dim=-1)
+    q = torch.cat([_rotated(q_rot, cos, sin, unsqueeze_dim=2), q_pass], dim=-1)
+    weights = module.weights_proj(hidden.to(module.weights_proj.weight.dtype)).float() * (module.n_heads**-0.5)
+    return q, weights, _index_keys(module, hidden, cos, sin)
+
+
+def _index_keys(module: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Keys `[B, S, D]` of `GlmMoeDsaIndexer`, as its forward computes them. Call without autograd."""
+    rope, rest = module.qk_rope_head_dim, module.head_dim - module.qk_rope_head_dim
     k = module.k_norm(module.wk(hidden)).unsqueeze(2)  # [B, S, 1, D]
     k_rot, k_pass = torch.split(k, [rope, rest], dim=-1)
-    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-    q = torch.cat([q_rot, q_pass], dim=-1)
-    k = torch.cat([k_rot, k_pass], dim=-1)[:, :, 0]
-    weights = module.weights_proj(hidden.to(module.weights_proj.weight.dtype)).float() * (module.n_heads**-0.5)
-    return q, weights, k
+    return torch.cat([_rotated(k_rot, cos, sin, unsqueeze_dim=2), k_pass], dim=-1)[:, :, 0]
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
+    """`x` rotated as `apply_rotary_pos_emb_interleave` rotates its query or key (each on its own, elementwise, so
+    either alone gives the same bits)."""
+    return apply_rotary_pos_emb_interleave(x, x, cos, sin, unsqueeze_dim=unsqueeze_dim)[1]
 
 
 def _indexer(module: nn.Module, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -795,14 +870,25 @@ def longstraw_attention_forward(
         raise ValueError(f"trl_longstraw runs one sequence per forward, got a batch of {hidden_states.shape[0]}")
     s = hidden_states.shape[1]
     heads, nope = self.num_heads, self.qk_nope_head_dim
-
-    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-    q = self.q_b_proj(q_resid).view(1, s, heads, self.qk_head_dim).transpose(1, 2)
-    q_pass, q_rot = torch.split(q, [nope, self.qk_rope_head_dim], dim=-1)
+    cos, sin = position_embeddings
     kv_pass, k_rot = torch.split(
         self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
     )
-    cos, sin = position_embeddings
+    if p.outputs_unread(self.layer_idx):
+        # The last layer of a prompt pass: nothing reads its output, so it emits its records (MLA rows, index keys)
+        # without queries (a key's rotation does not read the query's), selection or attention.
+        k_rot = k_rot.view(1, 1, s, -1)
+        (kv,) = autocast_inputs(torch.cat([self.kv_a_layernorm(kv_pass)[0], _rotated(k_rot, cos, sin)[0, 0]], dim=-1))
+        if self.indexer is None:
+            p.emit(self.layer_idx, (kv,), sharded=True)
+        else:
+            with torch.no_grad():
+                (index_key,) = autocast_inputs(_index_keys(self.indexer, hidden_states, cos, sin)[0])
+            p.emit(self.layer_idx, (kv, index_key), sharded=True)
+        return hidden_states.new_zeros(()), None, None
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q = self.q_b_proj(q_resid).view(1, s, heads, self.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [nope, self.qk_rope_head_dim], dim=-1)
     q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(1, 1, s, -1), cos, sin)
     # [S, R + Dr]. Under autocast the normed latent and the rope key come out in fp32, and stock rounds both to the
     # autocast dtype before any use (autocast casts kv_b_proj's input; the rope key is copied into the key buffer of

@@ -14,6 +14,7 @@ import contextlib
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
+from .attention import autocast_inputs
 from .engine import active_pass
 from .sharding import attend
 
@@ -38,10 +39,18 @@ def longstraw_attention(
     if sliding_window is not None or softcap is not None or kwargs.get("s_aux") is not None:
         raise ValueError(
             "sliding-window attention, attention logit softcapping and attention sinks are not supported by "
-            "trl_longstraw's generic adapter"
+            "trl_longstraw's generic adapter: train this model with trl.GRPOTrainer (a sliding window that every "
+            "sequence fits in changes nothing: load the model with sliding_window=None)"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attend(active_pass(), module.layer_idx, query, key, value, scale)
+    p = active_pass()
+    if p.outputs_unread(module.layer_idx):
+        # The last layer of a prompt pass: its keys and values are all that later tokens read, as `attend` records
+        # them; the output is zeros (a view) that nothing reads.
+        p.emit(module.layer_idx, autocast_inputs(key, value), sharded=True)
+        batch, heads, length, _ = query.shape
+        return query.new_zeros(()).expand(batch, length, heads, value.shape[-1]), None
+    out = attend(p, module.layer_idx, query, key, value, scale)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -58,6 +67,16 @@ def attention_switched(causal_lm: PreTrainedModel):
         yield
     finally:
         config._attn_implementation = previous
+
+
+def sliding_window(causal_lm: PreTrainedModel) -> int | None:
+    """The sliding window of a generic-adapter model's attention layers, or None when they attend to every earlier
+    token. Qwen2/Qwen3 and Qwen3-MoE attention layers carry their own `sliding_window` (set where `layer_types` says
+    `"sliding_attention"`, or from `use_sliding_window`); Mistral's read `config.sliding_window` on every layer."""
+    windows = [m.sliding_window for m in causal_lm.modules() if hasattr(m, "sliding_window") and m is not causal_lm]
+    if not windows:
+        windows = [getattr(causal_lm.config, "sliding_window", None)]
+    return next((w for w in windows if w is not None), None)
 
 
 class KVTail:
@@ -119,6 +138,17 @@ class KVCacheAdapter:
     batches_branches = True
 
     def __init__(self, causal_lm: PreTrainedModel):
+        window = sliding_window(causal_lm)
+        if window is not None:
+            # Refused here, when the trainer is built, rather than at the first forward of the first step.
+            raise ValueError(
+                f"{causal_lm.config.model_type} attends within a sliding window of {window} tokens "
+                f"(config.sliding_window={window}), which trl_longstraw's generic adapter does not implement. If "
+                f"every prompt + completion stays within {window} tokens the window changes nothing: load the model "
+                "with sliding_window=None (from_pretrained(..., sliding_window=None), or model_init_kwargs: "
+                "{sliding_window: null} in a recipe config). Longer sequences need the window: train this model "
+                "with trl.GRPOTrainer."
+            )
         self.causal_lm = causal_lm
 
     @staticmethod

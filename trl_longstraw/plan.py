@@ -331,11 +331,12 @@ def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute
 # a branch's backward, at the LM head's weight gradient, `head_gradient_bytes`): the peak beyond the weights,
 # gradients, prompt state and checkpointed layer inputs, per token and matmul element, is the same within 2% at every
 # prompt length of a family; these are its largest values rounded up to 0.05 (`python benchmarks/calibrate_planner.py`
-# prints them, benchmarks/CALIBRATION.md). GLM's DSA top-k selection is an item of its own (`dsa_selection_bytes`).
-# Those runs used the torch fallbacks of Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection; the
-# fla and Triton kernels hold less. Model types without their own entry use the KV-cache families' (llama's). On CPU
-# the reverse pass of dense models is itemized instead (`reverse_bytes`); MoE models keep these multiples there too,
-# which are CUDA figures (benchmarks/CALIBRATION.md: GLM's CPU rows are below them).
+# prints them, benchmarks/CALIBRATION.md). GLM's DSA top-k selection is an item of its own (`dsa_bytes`).
+# Those runs used the torch fallbacks of Gated DeltaNet (fla absent: fp32 internals) and of GLM's DSA selection and
+# sparse attention; the fla and Triton kernels hold less. Model types without their own entry use the KV-cache
+# families' (llama's). On CPU the reverse pass of dense models is itemized instead (`reverse_bytes`); MoE models keep
+# these multiples there too, which are CUDA figures, GLM with its DSA selection and sparse attention counted from their
+# code beside them (`dsa_bytes`; benchmarks/CALIBRATION.md has its CPU rows).
 ACTIVATION_MULTIPLES = {
     "llama": (1.25, 1.75),
     "glm_moe_dsa": (0.5, 2.0),
@@ -374,17 +375,96 @@ def head_gradient_bytes(stats: ModelStats, setup: Setup) -> int:
     return n * 4 + cast
 
 
-def dsa_selection_bytes(stats: ModelStats, queries: int, keys: int) -> int:
+# The DSA merge (`glm_moe_dsa._keep_topk`) of a block of `n` candidates per query into `r` running ones, bytes per
+# query (traced on CPU, `glm_moe_dsa.select_topk` alone at several widths): the block's fp32 scores, then the larger
+# of three moments: the keep mask `[r + n]` bool and the tie ranks of a slice (`TOPK_SLICE` elements: a tie mask,
+# its int32 copy and cumsum; `DSA_TIE_RANK_BYTES` per element); the keep mask and `nonzero`'s kept columns (two
+# int64, then a copy of one: `DSA_NONZERO_BYTES` per kept); the kept columns and their gathers and selects, fp32 and
+# int64 (`DSA_KEPT_BYTES` per kept: the new running set among them; `DSA_FIRST_KEPT_BYTES` into an empty running
+# set: the columns and two gathers).
+DSA_TIE_RANK_BYTES = 9
+DSA_NONZERO_BYTES = 24
+DSA_KEPT_BYTES = 53
+DSA_FIRST_KEPT_BYTES = 20
+
+
+def dsa_selection_bytes(stats: ModelStats, queries: int, keys: int, device: str = "cuda") -> int:
     """Bytes of the DSA top-k selection of `queries` query tokens over `keys` prompt keys (`glm_moe_dsa`'s PyTorch
-    path, `glm_moe_dsa._running_topk`): each query's running candidates, `index_topk` kept plus one key block of at
-    most `INDEX_KEY_BLOCK`, as fp32 scores and int64 key numbers, and one fp32 indexer score tile of at most
-    `INDEX_TILE` elements. 0 for other models. The Triton kernels used on CUDA hold less."""
+    path, `glm_moe_dsa._running_topk`). 0 for other models.
+
+    On CPU, what the code holds (traced: `benchmarks/calibrate_planner.py --trace glm_moe_dsa`, and
+    `glm_moe_dsa.select_topk` alone): the running candidates of the other query blocks (`index_topk` fp32 scores and
+    int64 key numbers per query; also this block's when the keys span several key blocks), and for one block of
+    queries (as many as fit `INDEX_TILE` head scores against a key block of at most `INDEX_KEY_BLOCK`) the larger of
+    its two phases: the fp32 score tile `[Q, heads, keys]` and the block's scores `[Q, keys]` it sums to; or the merge
+    of the block's scores into the running candidates (`DSA_TIE_RANK_BYTES`).
+    On CUDA, the term the GPU check's activation multiples were fitted with (`ACTIVATION_MULTIPLES`, measured on this
+    path before the Triton kernels and the merge above): every query's `index_topk` plus one key block of candidates,
+    12 bytes each, and one score tile; the Triton kernels now used there hold less."""
     if stats.model_type != "glm_moe_dsa" or not stats.index_topk:
         return 0
-    from .glm_moe_dsa import INDEX_KEY_BLOCK, INDEX_TILE
+    from .glm_moe_dsa import INDEX_KEY_BLOCK, INDEX_TILE, TOPK_SLICE
 
+    k, heads = stats.index_topk, stats.index_heads
     block = min(INDEX_KEY_BLOCK, max(keys, 1))
-    return queries * (stats.index_topk + block) * (4 + 8) + min(INDEX_TILE, queries * stats.index_heads * block) * 4
+    if device != "cpu":
+        return queries * (k + block) * (4 + 8) + min(INDEX_TILE, queries * heads * block) * 4
+    rows = min(queries, max(1, INDEX_TILE // (heads * block)))
+    kept = min(k, keys)
+    step = max(1, TOPK_SLICE // rows)  # tie ranks per query and slice
+
+    def phase(n: int, running: int) -> int:
+        """Per query of a block, a key block of `n` scored and merged into `running` candidates."""
+        ranks = min(step, n) * DSA_TIE_RANK_BYTES
+        late = kept * (DSA_KEPT_BYTES if running else DSA_FIRST_KEPT_BYTES)
+        merge = n * 4 + max(running + n + max(ranks, kept * DSA_NONZERO_BYTES), late)
+        return max(n * (heads + 1) * 4, merge)
+
+    # The first key block: the query blocks before this one hold their candidates. A later one (the second is the
+    # largest): every query block holds them.
+    peak = (queries - rows) * kept * (4 + 8) + rows * phase(block, 0)
+    if keys > block:
+        peak = max(peak, queries * kept * (4 + 8) + rows * phase(min(block, keys - block), kept))
+    # The key block: its keys gathered from the chunks (fp32) and their int64 numbers.
+    return peak + block * (stats.index_dim * 4 + 8)
+
+
+def sparse_attention_bytes(stats: ModelStats, queries: int, autograd: bool) -> int:
+    """Bytes of `glm_moe_dsa`'s PyTorch sparse MLA (`_SparseLatentAttention`) for `queries` query tokens, each over
+    `index_topk` selected keys; 0 for other models. It runs blocks of `ATTN_SLOTS // index_topk` queries; traced on
+    CPU (`sparse_latent_attention` alone at several widths), with the whole output `[S, heads, R]` and the selection
+    `[S, k]` int64 beside it:
+    - forward: the block's gathered latent rows `[Q * k, R + Dr]` fp32, and the larger of the gather's moment (one
+      `ROUTE_ROWS` copy, the routing's int64 sort order and rows per slot) and the scores' (three fp32
+      `[Q, heads, k]`);
+    - with autograd, the backward's block: the gathered rows, their gradient and its latent part's product
+      `[Q * k, R]`, the routing, two fp32 `[Q, heads, k]` (probabilities and their gradient), and the query gradient
+      `[S, heads, R + Dr]`."""
+    if stats.model_type != "glm_moe_dsa" or not stats.index_topk:
+        return 0
+    from .glm_moe_dsa import ATTN_SLOTS, ROUTE_ROWS
+
+    k, heads = stats.index_topk, stats.attention_heads
+    row, latent = (n // heads for n in stats.query_exchange)  # R + Dr and R
+    rows = min(queries, max(1, ATTN_SLOTS // k))
+    slots = rows * k
+    scores = rows * heads * k * 4
+    routing = slots * 16
+    held = queries * (heads * latent * 4 + k * 8)
+    if autograd:
+        return held + slots * (2 * row + latent) * 4 + routing + 2 * scores + queries * heads * row * 4
+    return held + slots * row * 4 + max(min(ROUTE_ROWS, slots) * row * 4 + routing, 3 * scores)
+
+
+def dsa_bytes(stats: ModelStats, queries: int, keys: int, autograd: bool, device: str = "cuda") -> int:
+    """What `glm_moe_dsa`'s attention holds for `queries` query tokens over `keys` prompt keys beyond the activation
+    multiples: on CUDA the fitted selection term (`dsa_selection_bytes`, which the multiples were fitted beside; they
+    cover the sparse attention); on CPU the larger of the selection and the sparse attention
+    (`sparse_attention_bytes`), which never coexist. 0 for other models."""
+    selection = dsa_selection_bytes(stats, queries, keys, device)
+    if device != "cpu" or not selection:
+        return selection
+    return max(selection, sparse_attention_bytes(stats, queries, autograd))
 
 
 # The no-grad prefill of a dense model, per chunk token, from what its code holds at the peak (traced allocation by
@@ -460,13 +540,10 @@ def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | No
 # The exact-mode reverse pass of a dense model on CPU, checkpointed with the attention outputs kept (the defaults),
 # per chunk token, from what its code holds at the allocated peak (traced allocation by allocation:
 # `benchmarks/calibrate_planner.py --trace FAMILY`, at two sets of widths per family). The peak is in the backward of
-# the gated MLP of the last layer but one (layer L-2), while three sets of tensors are live:
+# the gated MLP of the last layer but one (layer L-2), while two sets of tensors are live:
 # - the chunk's own (`REVERSE_CHUNK_RESIDUALS` + L tensors `[T, H]`: the embeddings, each layer's output kept by the
-#   checkpoint, the final norm's normalized input and output; each attention layer's kept output and fp32
-#   log-sum-exp, and its recomputed K and V records `[T, Hkv * D]`; RoPE's cos and sin, fp32; the position ids);
-# - the last layer's recomputed graph, which the backward never consumes: its records get gradients through its
-#   token mixer, but its MLP only feeds the final hidden states, which get none (`REVERSE_DEAD_RESIDUALS` `[T, H]`,
-#   `REVERSE_MLP_SAVED` `[T, I]`: gate, up, act(gate), their product, and what its attention keeps);
+#   checkpoint; each attention layer's kept output and fp32 log-sum-exp, and its recomputed K and V records
+#   `[T, Hkv * D]`; RoPE's cos and sin, fp32; the position ids);
 # - layer L-2's recomputed graph and the MLP backward's gradients (`REVERSE_LIVE_RESIDUALS` `[T, H]` with the
 #   incoming gradient, `REVERSE_MLP_LIVE` `[T, I]`: gate, up, act(gate) and three gradients), and its token mixer's
 #   saved tensors: an attention layer's (`REVERSE_ATTENTION_QUERY_TENSORS` `[T, q_proj width]`-sized query-side
@@ -475,11 +552,13 @@ def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | No
 #   norm's three, the fp32 value, new values, per-block new values); `[T, Hv, Dk]` fp32 (query, key and their copies,
 #   k_beta, decayed query and key, k_cumdecay, L2-norm temporaries); `[Hv, block, block]` per block (decays, UT
 #   system, intra-block scores); the state after each block `[Hv, Dk, Dv]` per 64 tokens; and per-head scalars).
+# The last layer adds nothing at the peak: in a prompt pass it computes its records alone (`Engine._records_only`: no
+# MLP, final norm or token-mixer output, whose graph the backward would never consume), and the backward consumes
+# the graph of its records before reaching layer L-2 (traced: the 4 `[T, H]` and 4 `[T, I]` tensors and the last
+# mixer's saved tensors that it kept before are gone, and so are the final norm's input and output).
 # The CUDA reverse pass keeps the activation multiples (`ACTIVATION_MULTIPLES`), calibrated on the GPU check.
-REVERSE_CHUNK_RESIDUALS = 3
-REVERSE_DEAD_RESIDUALS = 4
+REVERSE_CHUNK_RESIDUALS = 1
 REVERSE_LIVE_RESIDUALS = 6
-REVERSE_MLP_SAVED = 4
 REVERSE_MLP_LIVE = 6
 # Query-side tensors `[T, Hq * D]` of an attention layer's recomputed graph (llama: the contiguous query and output
 # copies; qwen3_5: also the query projection with its gate `[T, 2 Hq D]`, the q-norm's normalized query, the rotated
@@ -523,17 +602,12 @@ def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str) -> int | N
         + 8
     )
     last, earlier = s.layer_kinds[-1], set(s.layer_kinds[:-1])
-    dead = (
-        REVERSE_DEAD_RESIDUALS * s.hidden_size * b
-        + REVERSE_MLP_SAVED * s.intermediate_size * b
-        + _reverse_mixer_bytes(s, last, b)
-    )
     live = (
         REVERSE_LIVE_RESIDUALS * s.hidden_size * b
         + REVERSE_MLP_LIVE * s.intermediate_size * b
         + max(_reverse_mixer_bytes(s, kind, b) for kind in earlier or {last})
     )
-    return chunk + (dead if earlier else 0) + live
+    return chunk + live
 
 
 def exchange_rows(stats: ModelStats, rows: int) -> int:
@@ -579,7 +653,8 @@ class ModelStats:
         largest_layer_expert_params: the routed experts of the layer that has the most.
         model_type: the config's, for its activation multiples (`ACTIVATION_MULTIPLES`).
         attention_heads, head_dim: query heads and their width, for the score tiles of the portable attention path.
-        index_heads, index_topk: the DSA indexer's heads and top-k (`glm_moe_dsa`), for its selection buffers.
+        index_heads, index_topk, index_dim: the DSA indexer's heads, top-k and key width (`glm_moe_dsa`), for its
+            selection buffers.
         head_trainable: elements of the LM head's weight `[V, H]` when it is trained (0 under LoRA or frozen), for
             the fp32 weight gradient of TRL's fused LM head (`head_gradient_bytes`).
         intermediate_size: the widest MLP intermediate of a layer (the dense MLP's, or the shared and routed
@@ -620,6 +695,7 @@ class ModelStats:
     head_dim: int = 0
     index_heads: int = 0
     index_topk: int = 0
+    index_dim: int = 0
     head_trainable: int = 0
     intermediate_size: int = 0
     delta_rule: tuple[int, int, int, int] = (0, 0, 0, 0)
@@ -732,6 +808,7 @@ def model_stats(
         attention_heads=config.num_attention_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         index_heads=getattr(config, "index_n_heads", 0) or 0,
+        index_dim=getattr(config, "index_head_dim", 0) or 0,
         index_topk=getattr(config, "index_topk", 0) or 0,
         head_trainable=head.weight.numel() if head is not None and not lora_rank and head.weight.requires_grad else 0,
         intermediate_size=getattr(config, "intermediate_size", 0) or 0,
@@ -1109,10 +1186,12 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     if tiles:
         branch += tiles
         detail += f" + {_size(tiles)} of fp32 score tiles (portable attention path)"
-    selection = dsa_selection_bytes(s, u.completion_length, tokens)
+    selection = dsa_bytes(s, u.completion_length, tokens, autograd=True, device=u.device)
     if selection:
         branch += selection
-        detail += f" + {_size(selection)} of DSA top-k candidates"
+        detail += f" + {_size(selection)} of DSA top-k candidates" + (
+            " or sparse attention" if u.device == "cpu" else ""
+        )
     head = head_gradient_bytes(s, u)
     if head:
         branch += head
@@ -1121,10 +1200,12 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     chunk = min(u.prefill_chunk_size, max(tokens, 1))
     tiles = score_tiles(s, u.compute_bytes, chunk, autograd=exact, device=u.device)
     scored = f" + {_size(tiles)} of fp32 score tiles (portable attention path)" if tiles else ""
-    selection = dsa_selection_bytes(s, chunk, tokens)
+    selection = dsa_bytes(s, chunk, tokens, autograd=exact, device=u.device)
     if selection:
         tiles += selection
-        scored += f" + {_size(selection)} of DSA top-k candidates"
+        scored += f" + {_size(selection)} of DSA top-k candidates" + (
+            " or sparse attention" if u.device == "cpu" else ""
+        )
     heads = s.context_parallel_heads
     if state_parts > 1 and (heads == 0 or (heads > 0 and heads % state_parts == 0)):
         # Context-parallel prompt passes: each rank runs its own chunk of a round, and one attention layer at a
@@ -1148,12 +1229,15 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         checkpointed = u.gradient_checkpointing and u.reverse_checkpointing
         reuse = kept if checkpointed and u.attention_reuse else 0
         itemized = reverse_bytes(s, u.compute_bytes, u.device) if reuse else None
+        # With `prefill_attention_reuse` the chunk's kept outputs are the prefill's, which the reverse pass takes
+        # instead of allocating its own: counted once, in "prefill attention outputs" (every prompt token's).
+        allocated = 0 if u.prefill_attention_reuse and not u.shard_prompt_state else reuse
         if itemized is not None:
             # The CPU reverse pass's own inventory (`reverse_bytes`), attention outputs included.
-            reverse_per_token = itemized
+            reverse_per_token = itemized - reuse + allocated
         elif checkpointed:
             # Each attention layer's output and log-sum-exp, kept from the forward for the recompute.
-            reverse_per_token = graph_per_token + reuse
+            reverse_per_token = graph_per_token + allocated
         else:
             reverse_per_token = int(autograd * s.total_activation_elems * u.compute_bytes)
         items.append(
@@ -1162,7 +1246,13 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
                 chunk * reverse_per_token + tiles,
                 f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
                 + (", CPU inventory" if itemized is not None else "")
-                + (", attention outputs kept for the recompute)" if reuse else ")")
+                + (
+                    ", attention outputs kept for the recompute)"
+                    if allocated
+                    else ", the prefill's attention outputs kept for the recompute)"
+                    if reuse
+                    else ")"
+                )
                 + ("" if checkpointed or not u.gradient_checkpointing else ", not checkpointed: every layer's graph")
                 + scored,
                 phase="activations",
@@ -1212,11 +1302,12 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             phase="activations",
         )
     )
+    # The loss pass scores the rows this GPU holds: G / group of a prompt's rows when sharded (as decoded above).
     items.append(
         Item(
             "scores",
-            4 * u.group_size * u.completion_length * 4,
-            f"log-probs, entropies and their gradients [{u.group_size}, {u.completion_length}], fp32",
+            4 * rows * u.completion_length * 4,
+            f"log-probs, entropies and their gradients [{rows}, {u.completion_length}], fp32",
         )
     )
     items.append(
@@ -1570,17 +1661,40 @@ def rope_override_refusal(config, model_init_kwargs: dict | None) -> str | None:
 
 
 # -------------------------------------------------------------------------------------------------- refusals
+def rows_per_process(recipe: Recipe, gpus: int) -> int:
+    """Rows of a generation batch that TRL gives each of `gpus` processes (`per_device_train_batch_size *
+    steps_per_generation`) under a recipe: a recipe that sets the global `generation_batch_size` (and not
+    `steps_per_generation`) spreads it over the processes, which the recipe's one-process parse cannot know."""
+    import yaml
+
+    args = recipe.training_args
+    raw = yaml.safe_load(Path(recipe.path).read_text()) or {}
+    if raw.get("generation_batch_size") is not None and raw.get("steps_per_generation") is None:
+        return max(1, raw["generation_batch_size"] // gpus)
+    return args.per_device_train_batch_size * args.steps_per_generation
+
+
+def default_group_size(gpus: int, shard_prompt_state: bool, shard_group: int = 0) -> int:
+    """The CLI's default G (`--group-size`): 8, or with a prompt state sharded over more than one GPU the smallest
+    multiple of the shard group's GPUs (`shard_group`, 0 for all of them) that is at least 8, the fewest completions
+    with which the trainer accepts that group at one row per process (`sharding.shard_group_size`)."""
+    size = (shard_group or gpus) if shard_prompt_state else 1
+    return size * -(-8 // size)
+
+
 def trainer_refusals(
     config, causal_lm: nn.Module, setup: Setup, recipe: Recipe | None = None, original_config=None
 ) -> list[str]:
     """What `LongStrawGRPOTrainer` (and the recipe) would refuse at construction for this model and setup, each as
-    the trainer's own message: prompts beyond an unscaled RoPE window, per-call RoPE it cannot pin, a sharded prompt
-    state the adapter lacks, active dropout, and with a recipe its training arguments (`trainer._check_args`, the
+    the trainer's own message: prompts beyond an unscaled RoPE window, per-call RoPE it cannot pin, a shard group
+    that G does not cover (`sharding.shard_group_size`), a sharded prompt state the adapter lacks, active dropout, and
+    with a recipe its training arguments (`trainer._check_args`, the
     MoE router's auxiliary loss, LoRA dropout, a `rope_parameters` override that differs from `original_config`, the
     config before the recipe's `model_init_kwargs`)."""
     from .adapters import ADAPTERS
     from .guards import active_dropout, check_positions
     from .rope import rotary_modules
+    from .sharding import shard_group_size
 
     out = []
     try:
@@ -1591,6 +1705,14 @@ def trainer_refusals(
         rotary_modules(causal_lm)
     except ValueError as e:
         out.append(str(e))
+    if setup.shard_prompt_state and setup.gpus > 1:
+        # The trainer's rule for the shard group (`sharding.shard_group_size`, in `_make_prompt_shards`): G must be a
+        # multiple of the group's rows. Rows per process: the recipe's, else 1 (the fewest TRL allows).
+        rows = rows_per_process(recipe, setup.gpus) if recipe is not None else 1
+        try:
+            shard_group_size(setup.gpus, setup.shard_group, setup.group_size, rows)
+        except ValueError as e:
+            out.append(str(e))
     adapter = ADAPTERS.get(config.model_type)
     if setup.shard_prompt_state and adapter is not None and not getattr(adapter, "shards_prompt_state", False):
         out.append(
@@ -1685,7 +1807,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=8, help="GPUs (one process each); default 8")
     p.add_argument("--gpu-memory", type=parse_bytes, default="96GB", help="memory per GPU, e.g. 96GB or 80GiB")
     p.add_argument("--mode", choices=["exact", "detached"], default="exact", help="prompt_gradient; default exact")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (num_generations); default 8")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="completions per prompt (num_generations); default 8, or with --shard-prompt-state the smallest "
+        "multiple of the shard group's GPUs that is at least 8 (the trainer needs a multiple of them)",
+    )
     p.add_argument("--completion-length", type=parse_count, default=512, help="tokens per completion; default 512")
     p.add_argument("--prefill-chunk-size", type=parse_count, default=4096, help="default 4096")
     p.add_argument(
@@ -1731,7 +1859,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus-per-node", type=int, default=8, help="processes per node, for host memory; default 8")
     p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank on all linears")
-    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--no-gradient-checkpointing",
+        action="store_true",
+        help="gradient_checkpointing=False: a branch and a reverse-pass chunk keep every layer's activations",
+    )
     p.add_argument(
         "--no-attention-reuse",
         action="store_true",
@@ -1778,6 +1910,9 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
             raise ValueError(f"--{flag} is required (or a --config recipe that sets it)")
     if args.prompt_shard_group_size < 0 or (args.prompt_shard_group_size and args.gpus % args.prompt_shard_group_size):
         parser.error(f"--prompt-shard-group-size must divide --gpus ({args.gpus}), or be 0 for all of them")
+    defaulted = args.group_size is None
+    if defaulted:
+        args.group_size = default_group_size(args.gpus, args.shard_prompt_state, args.prompt_shard_group_size)
     needed = args.positions + args.completion_length
     if args.model.lower() in PRESETS:
         name = PRESETS[args.model.lower()][0]
@@ -1852,7 +1987,13 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
         f"  prompt state: {_size(stats.state_per_token)} per token + {_size(stats.state_fixed)} fixed",
         f"  {rope}",
         f"run: {args.positions:,} prompt positions, {args.mode} mode, {args.group_size} x {args.completion_length:,}-"
-        f"token completions, prefill chunk {args.prefill_chunk_size:,}, gradient checkpointing "
+        "token completions"
+        + (
+            " (G: the smallest multiple of the shard group, the trainer's rule)"
+            if defaulted and args.group_size != 8
+            else ""
+        )
+        + f", prefill chunk {args.prefill_chunk_size:,}, gradient checkpointing "
         + ("off" if args.no_gradient_checkpointing else "on"),
         f"  {args.gpus} GPU(s) x {args.gpu_memory / 1e9:g} GB ({_size(args.gpu_memory)}), FSDP full sharding"
         + (f", expert parallel over {args.ep_size or args.gpus} GPUs" if args.expert_parallel else "")

@@ -66,7 +66,7 @@ from .engine import active_pass
 from .generation import DecodePass
 from .kv import KVTail, attention_switched
 
-try:  # flash-linear-attention (CUDA, Triton): `pip install trl_longstraw[cuda]`
+try:  # flash-linear-attention (CUDA, Triton): `pip install ".[cuda]"` in a checkout
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 except ImportError:  # CPU installs, or GPU installs without fla: the torch path below
     fla_chunk_gated_delta_rule = None
@@ -93,18 +93,19 @@ def _heads_fp32(
     fp32, query and key L2-normalized (not yet scaled: the chunked and the per-token rule scale as their stock
     counterparts do, which differ in the last bit).
 
-    Args: query, key `[B, T, Hk, Dk]`; value `[B, T, Hv, Dv]`; g, beta `[B, T, Hv]`.
-    Returns: query, key `[B, Hv, T, Dk]`; value `[B, Hv, T, Dv]`; g, beta `[B, Hv, T]`.
+    Args: query (or None), key `[B, T, Hk, Dk]`; value `[B, T, Hv, Dv]`; g, beta `[B, T, Hv]`.
+    Returns: query (None for None), key `[B, Hv, T, Dk]`; value `[B, Hv, T, Dv]`; g, beta `[B, Hv, T]`.
     """
     v_heads, k_heads = value.shape[-2], key.shape[-2]
     if v_heads != k_heads:
-        query = query.repeat_interleave(v_heads // k_heads, dim=2)
+        query = None if query is None else query.repeat_interleave(v_heads // k_heads, dim=2)
         key = key.repeat_interleave(v_heads // k_heads, dim=2)
     query, key, value, g, beta = (
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        None if x is None else x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
         for x in (query, key, value, g, beta)
     )
-    return l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6), value, g, beta
+    query = None if query is None else l2norm(query, dim=-1, eps=1e-6)
+    return query, l2norm(key, dim=-1, eps=1e-6), value, g, beta
 
 
 def torch_gated_delta_rule(
@@ -115,7 +116,7 @@ def torch_gated_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     block: int = DELTA_RULE_BLOCK,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The gated delta rule, chunked along the sequence as in stock `torch_chunk_gated_delta_rule`, in fp32 (under
     autocast its matmuls run in the autocast dtype, as stock's do).
 
@@ -123,16 +124,18 @@ def torch_gated_delta_rule(
     its inputs through `unbind` and collects outputs with `stack`, so that its backward is linear in the length.
 
     Args:
-        query, key: `[B, T, Hk, Dk]`.
+        query, key: `[B, T, Hk, Dk]`. With `query` None the rule computes the final state alone (the same bits), none
+            of the query-side terms, and returns no output.
         value: `[B, T, Hv, Dv]`, `Hv` a multiple of `Hk` (each key head serves `Hv / Hk` consecutive value heads).
         g: `[B, T, Hv]` log-decay (<= 0).
         beta: `[B, T, Hv]` write strength.
         initial_state: `[B, Hv, Dk, Dv]`, or None for zeros. Receives a gradient when it requires one.
 
     Returns:
-        The output `[B, T, Hv, Dv]` in the dtype of `query`, and the final state `[B, Hv, Dk, Dv]` in fp32.
+        The output `[B, T, Hv, Dv]` in the dtype of `query` (None without `query`), and the final state
+        `[B, Hv, Dk, Dv]` in fp32.
     """
-    out_dtype = query.dtype
+    out_dtype = (key if query is None else query).dtype
     batch, length, k_heads, k_dim = key.shape
     v_heads, v_dim = value.shape[-2:]
     blocks = -(-length // block)
@@ -145,10 +148,10 @@ def torch_gated_delta_rule(
         x.requires_grad for x in (query, key, value, g, beta, initial_state) if x is not None
     )
     per_group = blocks if recording else max(1, blocks * v_dim // block)
-    upper = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
+    upper = torch.ones(block, block, dtype=torch.bool, device=key.device).triu(1)
 
     if initial_state is None:
-        state = torch.zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=query.device)
+        state = torch.zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=key.device)
     else:
         state = initial_state.to(torch.float32)
     outputs = []
@@ -156,15 +159,19 @@ def torch_gated_delta_rule(
         inputs = (query, key, value, g, beta)
         if per_group < blocks:
             span = slice(first * block, min((first + per_group) * block, length))
-            inputs = tuple(x[:, span] for x in inputs)
+            inputs = tuple(None if x is None else x[:, span] for x in inputs)
         terms = _block_terms(*_blocked(*inputs, block), upper)
         # Across blocks: the sequential scan. `unbind` has one backward for all blocks, where indexing would have one
         # full-size gradient buffer per block.
-        for q_i, k_i, a_i, u_i, w_i, d_i in zip(*(x.unbind(2) for x in terms), strict=True):
+        blocks_of = [x.unbind(2) if x is not None else [None] * terms[1].shape[2] for x in terms]
+        for q_i, k_i, a_i, u_i, w_i, d_i in zip(*blocks_of, strict=True):
             v_new = u_i - w_i @ state
-            outputs.append(q_i @ state + a_i @ v_new)
+            if q_i is not None:
+                outputs.append(q_i @ state + a_i @ v_new)
             state = state * d_i + k_i.transpose(-1, -2) @ v_new
-        del terms
+        del terms, blocks_of
+    if query is None:
+        return None, state
     out = torch.stack(outputs, dim=2).reshape(batch, v_heads, -1, v_dim)[:, :, :length]
     return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), state
 
@@ -172,23 +179,23 @@ def torch_gated_delta_rule(
 def _blocked(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, block: int
 ) -> tuple[torch.Tensor, ...]:
-    """The delta rule's inputs over `n` tokens (shapes as in `torch_gated_delta_rule`) as its blocks: scaled query,
-    key, `beta`-weighted key and value `[B, H, N, block, D]` in fp32, and `g` `[B, H, N, block]`, zero-padded to
-    whole blocks (k = 0 and g = 0 leave the state unchanged)."""
+    """The delta rule's inputs over `n` tokens (shapes as in `torch_gated_delta_rule`) as its blocks: scaled query
+    (None for None), key, `beta`-weighted key and value `[B, H, N, block, D]` in fp32, and `g` `[B, H, N, block]`,
+    zero-padded to whole blocks (k = 0 and g = 0 leave the state unchanged)."""
     batch, length, k_heads, k_dim = key.shape
     v_heads = value.shape[-2]
     query, key, value, g, beta = _heads_fp32(query, key, value, g, beta)
-    query = query * k_dim**-0.5
+    query = None if query is None else query * k_dim**-0.5
     pad = (block - length % block) % block
     if pad:  # F.pad copies even when there is nothing to pad
-        query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+        query, key, value = (None if x is None else F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
         beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
     del value, beta
     # [B, H, N, block, ...]
     query, key, k_beta, v_beta = (
-        x.reshape(batch, v_heads, -1, block, x.shape[-1]) for x in (query, key, k_beta, v_beta)
+        None if x is None else x.reshape(batch, v_heads, -1, block, x.shape[-1]) for x in (query, key, k_beta, v_beta)
     )
     return query, key, k_beta, v_beta, g.reshape(batch, v_heads, -1, block)
 
@@ -198,19 +205,20 @@ def _block_terms(
 ) -> tuple[torch.Tensor, ...]:
     """The within-block terms of the chunked delta rule for `n` blocks: inputs `[B, H, n, block, D]` (`g`
     `[B, H, n, block]`); returns the decayed queries and keys, the intra-block attention `[B, H, n, block, block]`,
-    the UT-transformed values and key decays, and the per-block decay `[B, H, n, 1, 1]`."""
+    the UT-transformed values and key decays, and the per-block decay `[B, H, n, 1, 1]`. Without `query` (None), the
+    decayed queries and the intra-block attention are None."""
     cum = g.cumsum(dim=3)
     pairwise = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
     # Within a block: the UT transform turns the sequential delta updates into triangular solves.
     ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
-    intra = (query @ key.transpose(-1, -2)) * pairwise
+    intra = None if query is None else (query @ key.transpose(-1, -2)) * pairwise
     del pairwise
     new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(
         ut_system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
     )
     del ut_system
-    query = query * cum.exp().unsqueeze(-1)
+    query = None if query is None else query * cum.exp().unsqueeze(-1)
     key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     block_decay = cum[..., -1].exp()[..., None, None]
     return query, key, intra, new_values, k_cumdecay, block_decay
@@ -246,13 +254,16 @@ def gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """`torch_gated_delta_rule`, or the flash-linear-attention kernel for bf16/fp16 CUDA inputs when installed.
 
-    Shapes as in `torch_gated_delta_rule`; the final state is fp32 `[B, Hv, Dk, Dv]`.
+    Shapes as in `torch_gated_delta_rule`; the final state is fp32 `[B, Hv, Dk, Dv]`. With `query` None, the final
+    state alone (the kernel, which always computes an output, gets the keys as queries: the state does not read them).
     """
-    if fla_chunk_gated_delta_rule is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-        return _fla(fla_chunk_gated_delta_rule, query, key, value, g, beta, initial_state)
+    if fla_chunk_gated_delta_rule is not None and key.is_cuda and key.dtype in (torch.bfloat16, torch.float16):
+        queries = key if query is None else query
+        out, state = _fla(fla_chunk_gated_delta_rule, queries, key, value, g, beta, initial_state)
+        return (None if query is None else out), state
     return torch_gated_delta_rule(query, key, value, g, beta, initial_state)
 
 
@@ -271,9 +282,10 @@ def torch_recurrent_gated_delta_rule(
     `initial_state`, so the rows of a shared prompt can all start from the prompt's state (broadcast).
 
     Returns:
-        The output `[B, T, Hv, Dv]` in the dtype of `query`, and the final state `[B, Hv, Dk, Dv]` in fp32.
+        The output `[B, T, Hv, Dv]` in the dtype of `query` (None without `query`), and the final state
+        `[B, Hv, Dk, Dv]` in fp32.
     """
-    out_dtype = query.dtype
+    out_dtype = (key if query is None else query).dtype
     batch, length, k_heads, k_dim = key.shape
     v_heads, v_dim = value.shape[-2:]
     query, key, value, g, beta = _heads_fp32(query, key, value, g, beta)
@@ -373,7 +385,9 @@ def _gated_deltanet_forward(
     width = self.conv_kernel_size - 1
 
     projected = self.in_proj_qkv(hidden_states)  # [B, n, C]
-    z = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
+    # The last layer of a prompt pass emits its record and returns zeros: nothing reads its output.
+    unread = p.outputs_unread(self.layer_idx)
+    z = None if unread else self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
     b = self.in_proj_b(hidden_states)
     a = self.in_proj_a(hidden_states)
 
@@ -400,7 +414,7 @@ def _gated_deltanet_forward(
         # One token per row and step, as transformers decodes (its recurrent rule, not the chunked one).
         core, state = recurrent_gated_delta_rule(query, key, value, g, beta, initial_state)
     else:
-        core, state = gated_delta_rule(query, key, value, g, beta, initial_state)
+        core, state = gated_delta_rule(None if unread else query, key, value, g, beta, initial_state)
 
     # The last `kernel - 1` conv inputs (reaching into the history for a chunk shorter than that); a copy, so that the
     # record does not keep the whole chunk's conv input alive.
@@ -408,6 +422,8 @@ def _gated_deltanet_forward(
     past = recent.new_zeros(batch, recent.shape[1], width) if history is None else history.to(recent.dtype)
     tail = torch.cat([past, recent], dim=-1)[:, :, -width:].clone()
     p.emit(self.layer_idx, (tail, state), supersedes=True)
+    if unread:
+        return hidden_states.new_zeros(())
 
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(batch, length, -1))

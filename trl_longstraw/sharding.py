@@ -262,7 +262,7 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, world: int, group) -> torch.Tensor:
     """`x` `[1, ...]` of every rank, stacked: `[W, ...]`."""
     out = x.new_empty(world, *x.shape[1:])
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    dist.all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -271,7 +271,7 @@ class _GatherTokens(torch.autograd.Function):
     def forward(ctx, x, world: int, group):
         ctx.group = group
         out = x.new_empty(world, *x.shape)
-        dist.all_gather_into_tensor(out, x.contiguous()[None], group=group)
+        dist.all_gather_single(out, x.contiguous()[None], group=group)
         return out
 
     @staticmethod

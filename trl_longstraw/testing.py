@@ -54,6 +54,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 # Settings of tiny models that differ from the common base, per family.
 TINY_FAMILY_OVERRIDES = {
+    # Full attention, as Mistral v0.2 and later (MistralConfig defaults to v0.1's 4096-token sliding window, which the
+    # generic adapter refuses).
+    "mistral": dict(sliding_window=None),
     # MLA with odd latent/head sizes, a DSA top-k of 5 (prompts exceed it, so selection happens), a "shared" indexer
     # layer reusing the previous selection, one dense then two MoE layers (4 experts, 2 per token). MLA expands its
     # latent into one key head per query head, so num_key_value_heads must equal num_attention_heads.

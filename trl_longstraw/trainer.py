@@ -94,11 +94,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._engines: dict[int, Engine] = {}
         self._prompt_shards = self._make_prompt_shards()
         self._choose_generation()
-        # Bytes the engines may hold in prompt states beyond the one in use (`Engine.hold_budget`): no limit on CPU;
-        # on GPU the newest state only until the memory guard has measured what is left (`_check_memory`); sharded,
-        # the newest only, as the ranks must agree on which states they hold.
-        sharded_or_gpu = self._prompt_shards is not None or self.accelerator.device.type == "cuda"
-        self._hold_budget: int | None = 0 if sharded_or_gpu else None
+        # Bytes the engines may hold in prompt states beyond the one in use (`Engine.hold_budget`), sharded or not: no
+        # limit on CPU (the guard measures no host memory); on GPU the newest state only until the memory guard has
+        # measured what the step leaves free (`_check_memory`).
+        self._hold_budget: int | None = 0 if self.accelerator.device.type == "cuda" else None
         self._precomputed: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._memory_checked = False
         # The planner's estimate of a step, from the memory guard before the first GPU step (for the model card).
@@ -258,12 +257,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             "positions": prompt,
             "completion_length": completion,
         }
-        if self._prompt_shards is None:
-            # What the step leaves free holds the prompt states of further prompts (generation's offers, the
-            # states a micro-batch of several prompts keeps from scoring to backward).
-            self._hold_budget = free - budget.to_allocate
-            for engine in self._engines.values():
-                engine.hold_budget = self._hold_budget
+        # What the step leaves free holds the prompt states of further prompts (generation's offers, the states a
+        # micro-batch of several prompts keeps from scoring to backward). The same on every process (the least free
+        # memory of any): sharded, the ranks of a shard group count each state as its largest share and so keep the
+        # same states (`Engine._hold`).
+        self._hold_budget = free - budget.to_allocate
+        for engine in self._engines.values():
+            engine.hold_budget = self._hold_budget
 
     # ---------------------------------------------------------------------------------------------------- engine
     def _autocast(self) -> contextlib.AbstractContextManager:
