@@ -154,7 +154,8 @@ def test_segment_delta_rule_resumes_from_any_state(initial):
     """The context-parallel delta rule (`segment_gated_delta_rule`, `resume_gated_delta_rule`, as the later ranks of a
     round run it): segments that divide no block (of 1, 2, 63, 70 and 14 tokens), each run from a zero state with its
     transition, then resumed one after the other from the state before it (`final + transition @ start`) equal the
-    plain rule over the whole sequence: outputs, final state, and every input gradient (initial state included)."""
+    plain rule over the whole sequence: outputs, final state, and every input gradient (initial state included);
+    without queries, the same final state and transition."""
     inputs = _delta_rule_inputs(150, initial, seed=3)
     out, state, grads = _grads(torch_gated_delta_rule, inputs)
 
@@ -167,6 +168,9 @@ def test_segment_delta_rule_resumes_from_any_state(initial):
                 q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b]
             )
             assert carry.shape == (1, b - a, 6, 8) and transition.shape == (1, 6, 8, 8)
+            # Without queries (the last layer of a prompt pass): the same final state and transition, bit for bit.
+            alone = segment_gated_delta_rule(None, k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b])
+            assert alone[:2] == (None, None) and torch.equal(alone[2], final) and torch.equal(alone[3], transition)
             outs.append(resume_gated_delta_rule(o, carry, s))
             s = final + transition @ s
         return torch.cat(outs, 1), s

@@ -385,8 +385,9 @@ def _gated_deltanet_forward(
     width = self.conv_kernel_size - 1
 
     projected = self.in_proj_qkv(hidden_states)  # [B, n, C]
-    # The last layer of a prompt pass emits its record and returns zeros: nothing reads its output.
-    unread = p.outputs_unread(self.layer_idx)
+    # The last layer of a prompt pass emits its record and returns zeros: nothing reads its output. Also in a
+    # context-parallel round, whose collectives carry records only (`_round_core`).
+    unread = p.outputs_unread(self.layer_idx) or (p.cp is not None and p.records_only == self.layer_idx)
     z = None if unread else self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
     b = self.in_proj_b(hidden_states)
     a = self.in_proj_a(hidden_states)
@@ -399,7 +400,9 @@ def _gated_deltanet_forward(
         history = history.expand(batch, -1, -1)
         initial_state = initial_state.expand(batch, -1, -1, -1)
     if p.cp is not None:
-        core = _round_core(self, p, projected, a, b, history, initial_state)
+        core = _round_core(self, p, projected, a, b, history, initial_state, outputs=not unread)
+        if unread:
+            return hidden_states.new_zeros(())
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(batch, length, -1))
     mixed_qkv = causal_conv(projected, self.conv1d.weight, self.conv1d.bias, self.activation, history)
@@ -437,7 +440,8 @@ def _round_core(
     b: torch.Tensor,
     history: torch.Tensor | None,
     initial_state: torch.Tensor | None,
-) -> torch.Tensor:
+    outputs: bool = True,
+) -> torch.Tensor | None:
     """The conv and delta rule of a context-parallel round (`context_parallel`), sequence-parallel over the W ranks.
 
     Rank `r` runs its own chunk (`p.cp.chunk`, all heads). One all-gather of every rank's last `kernel - 1` conv
@@ -453,10 +457,12 @@ def _round_core(
             `p.cp.chunk`.
         projected: `[1, n, C]` conv inputs; `a`, `b`: `[1, n, Hv]` decay and write-strength inputs.
         history, initial_state: the record before the round (`[1, C, kernel - 1]`, `[1, Hv, Dk, Dv]` fp32), or None.
+        outputs: False for the records alone (the last layer of a prompt pass: `Pass.records_only`); the same
+            collectives run.
 
     Returns:
-        The delta rule's output `[1, n, Hv, Dv]` for this rank's tokens. Emits `(conv_tail, state)` of every chunk of
-        the round (`Pass.emit_round`) when the pass records.
+        The delta rule's output `[1, n, Hv, Dv]` for this rank's tokens (None without `outputs`). Emits
+        `(conv_tail, state)` of every chunk of the round (`Pass.emit_round`) when the pass records.
     """
     shards, cp = p.shard, p.cp
     world, rank, lengths, group = shards.world, shards.rank, cp.lengths, shards.group
@@ -479,6 +485,7 @@ def _round_core(
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
     state_shape = (1, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+    query = query if outputs else None
     if rank == 0:
         out, final = gated_delta_rule(query, key, value, g, beta, initial_state)
         transition = final.new_zeros(*state_shape[:-1], self.head_k_dim)  # the final state is already whole
@@ -491,7 +498,7 @@ def _round_core(
     # In fp32 (autocast would round the carried state to its dtype at every chunk boundary).
     with torch.autocast(projected.device.type, enabled=False):
         for s in range(world):
-            if s == rank and s > 0:
+            if s == rank and s > 0 and outputs:
                 out = resume_gated_delta_rule(out, carry, start)
             finals, transitions = everyone[s : s + 1].split([self.head_v_dim, self.head_k_dim], dim=-1)
             # A copy for the first chunk: a record must not keep the whole gathered buffer alive.
@@ -508,8 +515,8 @@ def _round_core(
 
 
 def segment_gated_delta_rule(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The gated delta rule over a segment whose initial state `S0` is not known yet (a later rank's chunk of a
     context-parallel round), as an affine function of `S0`.
 
@@ -519,11 +526,11 @@ def segment_gated_delta_rule(
     call of `gated_delta_rule` (the torch rule, or fla's kernel) on values widened with `Dk` zero columns from the
     state `[0 | I]`: the operations of the plain rule on a wider value. `resume_gated_delta_rule` applies `S0`.
 
-    Args: shapes as in `torch_gated_delta_rule`.
+    Args: shapes as in `torch_gated_delta_rule` (`query` None: the final state and transition alone).
 
     Returns:
-        out `[B, T, Hv, Dv]` and carry `[B, T, Hv, Dk]` in the dtype of `query`; final `[B, Hv, Dk, Dv]` and transition
-        `[B, Hv, Dk, Dk]` in fp32.
+        out `[B, T, Hv, Dv]` and carry `[B, T, Hv, Dk]` in the dtype of `query` (None without `query`); final
+        `[B, Hv, Dk, Dv]` and transition `[B, Hv, Dk, Dk]` in fp32.
     """
     batch, _, v_heads, v_dim = value.shape
     k_dim = key.shape[-1]
@@ -531,6 +538,8 @@ def segment_gated_delta_rule(
     eye = torch.eye(k_dim, dtype=torch.float32, device=value.device).expand(batch, v_heads, k_dim, k_dim)
     start = torch.cat([eye.new_zeros(batch, v_heads, k_dim, v_dim), eye], dim=-1)
     out, state = gated_delta_rule(query, key, widened, g, beta, start)
+    if out is None:
+        return None, None, state[..., :v_dim], state[..., v_dim:]
     return out[..., :v_dim], out[..., v_dim:], state[..., :v_dim], state[..., v_dim:]
 
 
