@@ -667,7 +667,7 @@ def main() -> None:
             "  same selection bitwise. The indexer tile is scaled in place, and the sparse attention frees each block",
             "  before building the next and copies routed rows in slices. The peaks fell to 268.7 and 365.3 MiB, then",
             "  to 261.2 and 308.1 MiB once the prompt passes stopped running the last layer's attention and MLP",
-            "  (`Pass.outputs_unread`): the prefill's peak is the indexer tile, the reverse's the sparse",
+            "  (main, `Pass.outputs_unread`): the prefill's peak is the indexer tile, the reverse's the sparse",
             "  attention's backward.",
             "- On CPU the planner counts these two from the code (`plan.dsa_selection_bytes`,",
             "  `plan.sparse_attention_bytes`). The counts were read off `--trace glm_moe_dsa` and off traces of",
@@ -684,8 +684,8 @@ def main() -> None:
             "- The held-out GLM widths (2 indexer heads, top-k 192: there the sparse attention is the larger) were",
             "  first measured against an intermediate count (1.080 and 1.050). The merge's count was then reduced",
             "  after two more copies were removed, and the attention's forward was counted as the larger of its",
-            "  gather and its scores, both from the isolated traces. They were measured again after the last-layer",
-            "  change, and then the CPU multiples were fitted with both traced and held-out rows in view.",
+            "  gather and its scores, both from the isolated traces. They were measured again after main's",
+            "  last-layer change, and then the CPU multiples were fitted with both traced and held-out rows in view.",
             "",
         ]
     Path(args.out).write_text("\n".join(md))

@@ -338,11 +338,11 @@ def test_context_parallel_exchange_is_counted(preset_stats):
     """A context-parallel round (Qwen3.6-27B: 24 query heads and 4 key-value heads of 256, at W = 8 and chunks of 4096
     in bf16) exchanges, for one attention layer at a time, the W * chunk queries, keys and values and fp32 partial
     outputs of the round: forward 3.0 GB, backward (exact mode's reverse pass, with the earlier chunks' key and value
-    gradients) 5.2 GB, counted in the chunk activations; an unsharded state has none, nor has a DeltaNet head count
-    that the group does not divide (replicated passes). GLM-5.2's rounds exchange MLA rows instead (`round_row_elems`,
-    tested with its own term)."""
+    gradients) 5.2 GB, counted in the chunk activations; an unsharded state has none. A group of 6 ranks, which does
+    not divide the 16 DeltaNet key heads, is context-parallel too (the delta rule runs sequence-parallel). GLM-5.2's
+    rounds exchange MLA rows instead (`round_row_elems`, tested with its own term)."""
     _, stats = preset_stats["qwen3.6-27b"]
-    assert stats.context_parallel_heads == 16 and preset_stats["glm-5.2"][1].context_parallel_heads == -1
+    assert stats.context_parallel_heads == 0 and preset_stats["glm-5.2"][1].context_parallel_heads == -1
     assert stats.round_kv_elems == 2 * 4 * 256 and preset_stats["glm-5.2"][1].round_kv_elems == 0
     tokens, q, heads, kv = 8 * 4096, 24 * 256, 24, 2 * 4 * 256
     # Gathered bf16 queries, keys and values; fp32 parts computed, packed, received.
@@ -357,7 +357,7 @@ def test_context_parallel_exchange_is_counted(preset_stats):
 
     assert chunk() - chunk(shard_prompt_state=False) == backward
     assert chunk(mode="detached") - chunk(mode="detached", shard_prompt_state=False) == forward
-    assert chunk(gpus=6) == chunk(gpus=6, shard_prompt_state=False)  # 16 DeltaNet key heads over 6 ranks: replicated
+    assert chunk(gpus=6) - chunk(gpus=6, shard_prompt_state=False) == backward * 6 // 8
 
 
 def test_attention_reuse_switch_is_counted(preset_stats):

@@ -29,6 +29,8 @@ from trl_longstraw.engine import Engine, Pass, PromptGroup, PromptState, use_pas
 from trl_longstraw.plan import preset_config
 from trl_longstraw.qwen3_5 import (
     Qwen3_5Adapter,
+    resume_gated_delta_rule,
+    segment_gated_delta_rule,
     torch_gated_delta_rule,
 )
 from trl_longstraw.qwen3_5 import (
@@ -144,6 +146,40 @@ def test_delta_rule_carries_state_across_splits():
     torch.testing.assert_close(split_out, out, atol=DELTA_RULE_ATOL, rtol=0)
     torch.testing.assert_close(split_state, state, atol=DELTA_RULE_ATOL, rtol=0)
     for g, ref in zip(split_grads, grads, strict=True):
+        assert _rel(g, ref) <= GRAD_RTOL
+
+
+@pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
+def test_segment_delta_rule_resumes_from_any_state(initial):
+    """The context-parallel delta rule (`segment_gated_delta_rule`, `resume_gated_delta_rule`, as the later ranks of a
+    round run it): segments that divide no block (of 1, 2, 63, 70 and 14 tokens), each run from a zero state with its
+    transition, then resumed one after the other from the state before it (`final + transition @ start`) equal the
+    plain rule over the whole sequence: outputs, final state, and every input gradient (initial state included);
+    without queries, the same final state and transition."""
+    inputs = _delta_rule_inputs(150, initial, seed=3)
+    out, state, grads = _grads(torch_gated_delta_rule, inputs)
+
+    def segments(q, k, v, g, beta, s):
+        outs = []
+        if s is None:
+            s = torch.zeros(1, 6, 8, 8)
+        for a, b in zip([0, 1, 3, 66, 136], [1, 3, 66, 136, 150], strict=True):
+            o, carry, final, transition = segment_gated_delta_rule(
+                q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b]
+            )
+            assert carry.shape == (1, b - a, 6, 8) and transition.shape == (1, 6, 8, 8)
+            # Without queries (the last layer of a prompt pass): the same final state and transition, bit for bit.
+            alone = segment_gated_delta_rule(None, k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b])
+            assert alone[:2] == (None, None) and torch.equal(alone[2], final) and torch.equal(alone[3], transition)
+            outs.append(resume_gated_delta_rule(o, carry, s))
+            s = final + transition @ s
+        return torch.cat(outs, 1), s
+
+    seg_out, seg_state, seg_grads = _grads(segments, inputs)
+    torch.testing.assert_close(seg_out, out, atol=DELTA_RULE_ATOL, rtol=0)
+    torch.testing.assert_close(seg_state, state, atol=DELTA_RULE_ATOL, rtol=0)
+    assert len(seg_grads) == len(grads)
+    for g, ref in zip(seg_grads, grads, strict=True):
         assert _rel(g, ref) <= GRAD_RTOL
 
 

@@ -14,11 +14,15 @@ Token mixers see the other ranks' chunks of the round through collectives:
   each later rank's queries to its own chunk, and the partial outputs and log-sum-exps go back to the query owners,
   which merge them with their causal part and with their other half attended to the round's earlier chunks (the
   branch-round exchange; the halves keep the ranks' work equal within the round, `sharding._RoundSplit`);
-- Gated DeltaNet (`qwen3_5`): head-parallel (Ulysses). One all-to-all (`exchange`) gives every rank the conv inputs
-  and gates of `H / W` heads for all the round's tokens; it convolves them and runs the delta rule chunk after chunk
-  from the conv history and state at the start of the round, as one process does; another all-to-all returns the
-  outputs to the token owners, and one all-gather (`gather`) joins the heads' end-of-chunk conv tails and states
-  into whole records;
+- Gated DeltaNet (`qwen3_5`): sequence-parallel, for any number of ranks and heads. One all-gather (`gather`) of
+  every rank's last `kernel - 1` conv inputs gives each rank the conv history at the start of its chunk; rank 0 runs
+  the delta rule from the round's state, a later rank from an unknown one, as an affine function of it (its chunk's
+  output and final state from zero, and their linear action on the initial state: `qwen3_5.segment_gated_delta_rule`,
+  one call of the delta rule on values widened by `Dk` zero columns); a second all-gather of every rank's final state
+  and `[Dk, Dk]` transition per head gives every rank the state at each boundary of the round, from which rank `r`
+  resumes its output and every rank builds the whole records. Two small collectives per layer and round (a
+  head-parallel all-to-all design needed three, moving every token's conv inputs and outputs, and a head count that
+  the group divides);
 - MLA with DSA (`glm_moe_dsa`): every rank gathers the round's compressed rows (`kv_lora_rank + qk_rope_head_dim`
   latent and rope key, and the indexer key: small, one row per token) and numbers them after the prefix; the
   indexer's top-k over the prefix chunks is taken as in a branch round (every rank's queries scored against each
@@ -86,26 +90,13 @@ def plan_rounds(n: int, chunk_size: int, world: int) -> list[list[tuple[int, int
     return rounds
 
 
-# The exchanges of `sharding` (`_ReturnTokens`, `_GatherTokens`) without their token padding; `sharding` imports the
-# engine (through `generation`), which imports this module, so they are not shared.
+# The all-gather of `sharding` (`_GatherTokens`) without its token padding; `sharding` imports the engine (through
+# `generation`), which imports this module, so it is not shared.
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
     return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """`x` `[W, ...]`: slice `j` goes to rank `j`; the result's slice `s` came from rank `s`. Its own inverse."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group), None
 
 
 class _AllGather(torch.autograd.Function):
@@ -122,19 +113,6 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_to_all(grad, ctx.group).sum(0), None, None
-
-
-def pad_tokens(x: torch.Tensor, t: int) -> torch.Tensor:
-    """Zero-pads dim 0 of `x` to `t`."""
-    if x.shape[0] == t:
-        return x
-    return torch.cat([x, x.new_zeros(t - x.shape[0], *x.shape[1:])])
-
-
-def exchange(x: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all: `x` `[W, ...]`, slice `j` for rank `j` -> `[W, ...]`, slice `s` from rank `s`. Collective,
-    differentiable (the backward is the all-to-all of the gradients)."""
-    return _AllToAll.apply(x, group)
 
 
 def gather(x: torch.Tensor, world: int, group) -> torch.Tensor:

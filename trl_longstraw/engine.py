@@ -11,6 +11,11 @@ which records they may read and where new records go:
   are captured with their graph and back-propagated with the gradient accumulated on them, which in turn
   accumulates gradient on records `[0, c)`.
 
+The prompt passes (prefill and reverse) never read the last decoder layer's outputs: later tokens read its records,
+and the last prompt position's logit comes from the branches. So that layer's MLP and the final norm are skipped, and
+its token mixer emits its records without computing its output unless the state is sharded (`Engine._records_only`,
+`Pass.outputs_unread`); the reverse pass keeps no graph for what was skipped.
+
 Positions follow stock `GRPOTrainer`: a row padded on the left by `pad` tokens places its first real prompt token at
 position `pad`, exactly as the padded full-sequence forward does.
 

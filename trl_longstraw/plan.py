@@ -292,14 +292,11 @@ def key_value_width(config) -> int:
 
 def context_parallel_heads(config) -> int:
     """Whether the prompt passes of a sharded state are context-parallel rounds exchanging queries and partial
-    outputs (`sharding._ShardedPrefixAttention`, `context_parallel_exchange`): 0 for every shard group size
-    (KV-cache models), the Gated DeltaNet key heads that the group size must divide (`qwen3_5`, whose delta rule runs
-    head-parallel), -1 for none (`glm_moe_dsa`: its MLA + DSA rounds exchange rows instead, `round_row_elems`)."""
-    if config.model_type == "glm_moe_dsa":
-        return -1
-    if config.model_type in ("qwen3_5", "qwen3_5_text"):
-        return config.linear_num_key_heads
-    return 0
+    outputs (`sharding._ShardedPrefixAttention`, `context_parallel_exchange`): 0 for every shard group size (KV-cache
+    models, and `qwen3_5`, whose delta rule runs sequence-parallel for any group size), -1 for none (`glm_moe_dsa`: its
+    MLA + DSA rounds exchange rows instead, `round_row_elems`). A positive value would be a head count that the group
+    size must divide."""
+    return -1 if config.model_type == "glm_moe_dsa" else 0
 
 
 def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute_bytes: int, autograd: bool) -> int:

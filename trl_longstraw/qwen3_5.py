@@ -13,8 +13,8 @@ The decoder interleaves two token mixers:
   one per layer. Exact mode keeps one per chunk boundary (`PromptState.boundaries`), since the reverse pass restarts
   every chunk from the state at its start; with a sharded prompt state, each boundary only on the rank owning its
   chunk (plus the final one on every rank), broadcast to every rank when the reverse pass reaches it. In a
-  context-parallel round of a sharded state (`context_parallel`) the conv and delta rule run head-parallel over the
-  ranks (`_round_core`).
+  context-parallel round of a sharded state (`context_parallel`) the conv and delta rule run sequence-parallel over
+  the ranks (`_round_core`, `segment_gated_delta_rule`).
 
 While the engine runs, the DeltaNet modules' `forward` is replaced by `_gated_deltanet_forward`, which starts from the
 last visible record (zero history and zero state if none), never writes a tensor in place (the stock cache's
@@ -61,7 +61,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     l2norm,
 )
 
-from .context_parallel import exchange, gather, pad_tokens
+from .context_parallel import gather
 from .engine import active_pass
 from .generation import DecodePass
 from .kv import KVTail, attention_switched
@@ -385,8 +385,9 @@ def _gated_deltanet_forward(
     width = self.conv_kernel_size - 1
 
     projected = self.in_proj_qkv(hidden_states)  # [B, n, C]
-    # The last layer of a prompt pass emits its record and returns zeros: nothing reads its output.
-    unread = p.outputs_unread(self.layer_idx)
+    # The last layer of a prompt pass emits its record and returns zeros: nothing reads its output. Also in a
+    # context-parallel round, whose collectives carry records only (`_round_core`).
+    unread = p.outputs_unread(self.layer_idx) or (p.cp is not None and p.records_only == self.layer_idx)
     z = None if unread else self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
     b = self.in_proj_b(hidden_states)
     a = self.in_proj_a(hidden_states)
@@ -399,7 +400,9 @@ def _gated_deltanet_forward(
         history = history.expand(batch, -1, -1)
         initial_state = initial_state.expand(batch, -1, -1, -1)
     if p.cp is not None:
-        core = _round_core(self, p, projected, a, b, history, initial_state)
+        core = _round_core(self, p, projected, a, b, history, initial_state, outputs=not unread)
+        if unread:
+            return hidden_states.new_zeros(())
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(batch, length, -1))
     mixed_qkv = causal_conv(projected, self.conv1d.weight, self.conv1d.bias, self.activation, history)
@@ -437,92 +440,114 @@ def _round_core(
     b: torch.Tensor,
     history: torch.Tensor | None,
     initial_state: torch.Tensor | None,
-) -> torch.Tensor:
-    """The conv and delta rule of a context-parallel round (`context_parallel`), head-parallel over the W ranks.
+    outputs: bool = True,
+) -> torch.Tensor | None:
+    """The conv and delta rule of a context-parallel round (`context_parallel`), sequence-parallel over the W ranks.
 
-    One all-to-all gives this rank the conv inputs of its `Hk / W` key heads and `Hv / W` value heads, and their
-    decay and write-strength inputs, for the tokens of every rank of the round (chunk `first + s` from rank `s`). The
-    rank convolves that sequence from the round's conv history and runs the delta rule chunk after chunk from the
-    round's state, as one process runs them; another all-to-all returns each rank its tokens' outputs of all heads.
-    When the pass records, one all-gather joins the heads' end-of-chunk conv tails and states into whole records.
+    Rank `r` runs its own chunk (`p.cp.chunk`, all heads). One all-gather of every rank's last `kernel - 1` conv
+    inputs gives each rank the conv history at the start of its chunk (the round's history for rank 0). Rank 0 runs the
+    delta rule from the round's state, as one process does; a later rank runs it from an unknown state
+    (`segment_gated_delta_rule`: its chunk's output and final state from zero, and their linear action on the initial
+    state). One all-gather of every rank's final state and transition gives every rank the state at each chunk
+    boundary of the round, one after the other (`final + transition @ start`), so rank `r` resumes its output from the
+    state at its chunk's start (`resume_gated_delta_rule`), and every rank has the whole records of every chunk.
 
     Args:
         p: the active pass, with its round `p.cp`: this rank holds the `n = p.cp.lengths[rank]` tokens of chunk
             `p.cp.chunk`.
         projected: `[1, n, C]` conv inputs; `a`, `b`: `[1, n, Hv]` decay and write-strength inputs.
         history, initial_state: the record before the round (`[1, C, kernel - 1]`, `[1, Hv, Dk, Dv]` fp32), or None.
+        outputs: False for the records alone (the last layer of a prompt pass: `Pass.records_only`); the same
+            collectives run.
 
     Returns:
-        The delta rule's output `[1, n, Hv, Dv]` for this rank's tokens. Emits `(conv_tail, state)` of every chunk of
-        the round (`Pass.emit_round`) when the pass records.
+        The delta rule's output `[1, n, Hv, Dv]` for this rank's tokens (None without `outputs`). Emits
+        `(conv_tail, state)` of every chunk of the round (`Pass.emit_round`) when the pass records.
     """
     shards, cp = p.shard, p.cp
     world, rank, lengths, group = shards.world, shards.rank, cp.lengths, shards.group
-    width, tmax = self.conv_kernel_size - 1, max(lengths)
-    k_heads, v_heads = self.num_k_heads // world, self.num_v_heads // world
-    k_width, v_width = k_heads * self.head_k_dim, v_heads * self.head_v_dim
-    # The conv channels are the queries, keys and values of all heads `[Hk * Dk | Hk * Dk | Hv * Dv]`; rank `r`'s
-    # heads are the `r`-th of W equal slices of each part.
-    parts = [self.key_dim, self.key_dim, self.value_dim]
-    widths = [k_width, k_width, v_width]
-
-    def by_rank(x: torch.Tensor, dim: int) -> list[torch.Tensor]:
-        """The parts of the channels `dim` of `x`, each `[..., W, part / W, ...]` (a view)."""
-        return [part.unflatten(dim, (world, width)) for part, width in zip(x.split(parts, dim), widths, strict=True)]
-
-    def own(x: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's channels `dim` of `x`: its queries, keys, then values."""
-        return torch.cat([part.select(dim, rank) for part in by_rank(x, dim)], dim=dim)
-
-    heads = slice(rank * v_heads, (rank + 1) * v_heads)
-    # [W, Tmax, C / W + 2 Hv / W]: slice r for rank r (its heads' channels, decay and write-strength inputs).
-    send = torch.cat(
-        [*by_rank(projected[0], 1), a[0].unflatten(1, (world, v_heads)), b[0].unflatten(1, (world, v_heads))], dim=-1
-    )
-    send = pad_tokens(send, tmax).transpose(0, 1)
-    received = exchange(send, group)  # slice s: this rank's heads of rank s's tokens
-    sequence = torch.cat([received[s, :n] for s, n in enumerate(lengths)])  # [N, ...], the round in order
-    conv_in, a_mine, b_mine = sequence.split([2 * k_width + v_width, v_heads, v_heads], dim=-1)
-    past = None if history is None else own(history, 1)
-    bias = None if self.conv1d.bias is None else own(self.conv1d.bias, 0)
-    mixed = causal_conv(conv_in[None].to(projected.dtype), own(self.conv1d.weight, 0), bias, self.activation, past)[0]
-    query, key, value = mixed.split([k_width, k_width, v_width], dim=-1)
-    query = query.reshape(-1, k_heads, self.head_k_dim)
-    key = key.reshape(-1, k_heads, self.head_k_dim)
-    value = value.reshape(-1, v_heads, self.head_v_dim)
-    beta = b_mine.to(b.dtype).sigmoid()
-    g = -self.A_log[heads].float().exp() * F.softplus(a_mine.to(a.dtype).float() + self.dt_bias[heads])
-    state = None if initial_state is None else initial_state[:, heads]
-    outputs, states, ends = [], [], []
-    start = 0
-    for n in lengths:  # chunk after chunk, as one process runs them
-        part = slice(start, start + n)
-        out, state = gated_delta_rule(
-            query[None, part], key[None, part], value[None, part], g[None, part], beta[None, part], state
-        )
-        outputs.append(pad_tokens(out[0], tmax))
-        states.append(state[0])
-        start += n
-        ends.append(start)
-    # With autograd, also in a gradient-checkpointing recompute (which emits nothing): it must save the tensors that
-    # the forward saved.
+    width, length, channels = self.conv_kernel_size - 1, projected.shape[1], projected.shape[2]
+    # This rank's last `width` conv inputs (zeros before a chunk shorter than that), then every rank's.
+    recent = projected[0, max(0, length - width) :]
+    tails = gather(torch.cat([recent.new_zeros(width - recent.shape[0], channels), recent]), world, group)
+    # The conv window (the last `width` inputs) at the end of each chunk of the round, from the round's history.
+    window = projected.new_zeros(width, channels) if history is None else history[0].t().to(projected.dtype)
+    windows = []
+    for s, n in enumerate(lengths):
+        window = torch.cat([window, tails[s, width - min(n, width) :]])[-width:]
+        windows.append(window)
+    past = history if rank == 0 else windows[rank - 1].t()[None]
+    mixed = causal_conv(projected, self.conv1d.weight, self.conv1d.bias, self.activation, past)
+    query, key, value = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query = query.reshape(1, length, -1, self.head_k_dim)
+    key = key.reshape(1, length, -1, self.head_k_dim)
+    value = value.reshape(1, length, -1, self.head_v_dim)
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+    state_shape = (1, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+    query = query if outputs else None
+    if rank == 0:
+        out, final = gated_delta_rule(query, key, value, g, beta, initial_state)
+        transition = final.new_zeros(*state_shape[:-1], self.head_k_dim)  # the final state is already whole
+    else:
+        out, carry, final, transition = segment_gated_delta_rule(query, key, value, g, beta)
+    # [W, Hv, Dk, Dv + Dk]: each rank's final state and transition.
+    everyone = gather(torch.cat([final, transition], dim=-1)[0], world, group)
+    start = final.new_zeros(state_shape) if initial_state is None else initial_state.to(torch.float32)
+    states = []
+    # In fp32 (autocast would round the carried state to its dtype at every chunk boundary).
+    with torch.autocast(projected.device.type, enabled=False):
+        for s in range(world):
+            if s == rank and s > 0 and outputs:
+                out = resume_gated_delta_rule(out, carry, start)
+            finals, transitions = everyone[s : s + 1].split([self.head_v_dim, self.head_k_dim], dim=-1)
+            # A copy for the first chunk: a record must not keep the whole gathered buffer alive.
+            start = finals.contiguous() if s == 0 else finals + transitions @ start
+            states.append(start)
+    # With autograd, also in a gradient-checkpointing recompute (which emits nothing): the records are computed in
+    # every pass, so that a recompute saves the tensors that its forward saved.
     if p.append or torch.is_grad_enabled():
-        # The last `kernel - 1` conv inputs at the end of each chunk, of this rank's channels, then every rank's.
-        window = torch.cat([conv_in.new_zeros(width, conv_in.shape[1]) if past is None else past[0].t(), conv_in])
-        tails = torch.stack([window[end : end + width] for end in ends])  # [W chunks, width, C / W]
-        packed = torch.cat([tails.float().flatten(1), torch.stack(states).flatten(1)], dim=-1)
-        everyone = gather(packed, world, group)  # [W ranks, W chunks, ...]
-        split = width * tails.shape[-1]
-        records = []
-        for s in range(len(lengths)):
-            # [width, W, C / W] (rank r's channels in slice r) -> [width, C], each part's heads in rank order.
-            tail_parts = everyone[:, s, :split].reshape(world, width, -1).transpose(0, 1)
-            tail = torch.cat([x.flatten(1) for x in tail_parts.split(widths, dim=-1)], dim=-1)
-            whole_state = everyone[:, s, split:].reshape(1, self.num_v_heads, self.head_k_dim, self.head_v_dim)
-            records.append((tail.t()[None].to(projected.dtype), whole_state))
-        p.emit_round(self.layer_idx, records)
-    back = exchange(torch.stack(outputs), group)  # slice s: rank s's heads of this rank's tokens
-    return back.transpose(0, 1).reshape(tmax, self.num_v_heads, self.head_v_dim)[: projected.shape[1]][None]
+        p.emit_round(
+            self.layer_idx,
+            [(w.t().contiguous()[None], state) for w, state in zip(windows, states, strict=True)],
+        )
+    return out
+
+
+def segment_gated_delta_rule(
+    query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a segment whose initial state `S0` is not known yet (a later rank's chunk of a
+    context-parallel round), as an affine function of `S0`.
+
+    The rule is linear in `(state, values)` together: from `S0`, the state after the segment is `final + transition
+    @ S0` and the output at token `t` is `out[t] + carry[t] @ S0` (per value head), where `out`, `final` are the rule
+    from a zero state and `transition`, `carry` the rule's action on `S0` (zero values from the identity). Both are one
+    call of `gated_delta_rule` (the torch rule, or fla's kernel) on values widened with `Dk` zero columns from the
+    state `[0 | I]`: the operations of the plain rule on a wider value. `resume_gated_delta_rule` applies `S0`.
+
+    Args: shapes as in `torch_gated_delta_rule` (`query` None: the final state and transition alone).
+
+    Returns:
+        out `[B, T, Hv, Dv]` and carry `[B, T, Hv, Dk]` in the dtype of `query` (None without `query`); final
+        `[B, Hv, Dk, Dv]` and transition `[B, Hv, Dk, Dk]` in fp32.
+    """
+    batch, _, v_heads, v_dim = value.shape
+    k_dim = key.shape[-1]
+    widened = torch.cat([value, value.new_zeros(*value.shape[:-1], k_dim)], dim=-1)
+    eye = torch.eye(k_dim, dtype=torch.float32, device=value.device).expand(batch, v_heads, k_dim, k_dim)
+    start = torch.cat([eye.new_zeros(batch, v_heads, k_dim, v_dim), eye], dim=-1)
+    out, state = gated_delta_rule(query, key, widened, g, beta, start)
+    if out is None:
+        return None, None, state[..., :v_dim], state[..., v_dim:]
+    return out[..., :v_dim], out[..., v_dim:], state[..., :v_dim], state[..., v_dim:]
+
+
+def resume_gated_delta_rule(out: torch.Tensor, carry: torch.Tensor, initial_state: torch.Tensor) -> torch.Tensor:
+    """The output of `segment_gated_delta_rule`'s segment from `initial_state` `[B, Hv, Dk, Dv]` (fp32): `out + carry
+    @ initial_state` per token and value head, summed in fp32 and returned in the dtype of `out` `[B, T, Hv, Dv]`."""
+    resumed = out.float() + torch.einsum("bthk,bhkv->bthv", carry.float(), initial_state)
+    return resumed.to(out.dtype)
 
 
 class Qwen3_5Adapter:
@@ -537,11 +562,12 @@ class Qwen3_5Adapter:
     # records (qwen3_5) are whole on every rank after a sharded prefill.
     decodes_sharded = True
 
-    def context_parallel(self, world: int) -> bool:
+    @staticmethod
+    def context_parallel(world: int) -> bool:
         """Whether the prompt passes of a state sharded over `world` ranks can split their tokens (see
-        `context_parallel`): when the DeltaNet key heads (and so the value heads) split evenly over the ranks, as the
-        head-parallel delta rule needs; otherwise every rank runs every chunk."""
-        return all(m.num_k_heads % world == 0 for m in self.deltanets)
+        `context_parallel`): always, as the attention layers go through `sharding.attend` and the DeltaNet layers run
+        sequence-parallel (`_round_core`) for any number of ranks and heads."""
+        return True
 
     def __init__(self, causal_lm: PreTrainedModel):
         if not isinstance(causal_lm.base_model, Qwen3_5TextModel):
