@@ -171,11 +171,11 @@ def _keep_topk(
     step = max(1, TOPK_SLICE // max(q, 1))
     quota = k - sum((values[:, a : a + step] > cutoff).sum(dim=1, keepdim=True) for a in range(0, n, step))
     keep = torch.empty(q, r + n, dtype=torch.bool, device=values.device)
-    if r:
+    if not r:
+        quota = quota.to(torch.int32)
+    else:
         above, tied = running[0] > cutoff, running[0] == cutoff
-        quota = quota - above.sum(dim=1, keepdim=True)
-    quota = quota.to(torch.int32)
-    if r:
+        quota = (quota - above.sum(dim=1, keepdim=True)).to(torch.int32)
         ranks = tied.cumsum(dim=1, dtype=torch.int32)
         keep[:, :r] = above | (tied & (ranks <= quota))
         quota = quota - torch.minimum(ranks[:, -1:], quota)
