@@ -690,6 +690,43 @@ def test_shard_group_needs_the_trainers_group_size(capsys, tmp_path):
     )
 
 
+def test_recipe_batch_is_the_planned_processes(capsys, tmp_path):
+    """TRL derives `steps_per_generation` from the number of processes (`GRPOConfig.__post_init__`: a global
+    `generation_batch_size` is spread over them), and with it each process's rows and group share: the planner checks
+    a recipe with the values of its `--gpus` processes, not those of the recipe's one-process parse."""
+    from trl_longstraw.sharding import shard_group_size
+    from trl_longstraw.trainer import _local_group_size
+
+    glm = plan.read_recipe(REPO / "recipes/configs/glm-5.2_32xh20_2.1m.yaml")
+    assert glm.training_args.steps_per_generation == 32  # one process: all 32 rows
+    for gpus, steps in ((32, 1), (8, 4)):  # 32 rows / (1 per device x gpus)
+        args = plan.recipe_training_args(glm, gpus)
+        assert (args.steps_per_generation, args.generation_batch_size, args.world_size) == (steps, 32, gpus)
+        rows = args.per_device_train_batch_size * args.steps_per_generation
+        # The trainer's shard group (all ranks) and each process's share of a group (one row each over 32).
+        assert shard_group_size(gpus, args.prompt_shard_group_size, args.num_generations, rows) == gpus
+        assert _local_group_size(args) == rows == steps
+    with pytest.raises(ValueError, match=r"generation_batch_size \(32\) must be divisible by the global batch size"):
+        plan.recipe_training_args(glm, 24)
+    # A group of 6 over micro-batches of 4: one process holds the whole group (refused: 4 neither divides nor is a
+    # multiple of 6), each of 3 processes holds 4 rows, a group share of 2 (accepted); 2 processes: TRL refuses 12.
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        (REPO / "recipes/configs/tiny_cpu.yaml")
+        .read_text()
+        .replace("num_generations: 8", "num_generations: 6")
+        .replace("per_device_train_batch_size: 8", "per_device_train_batch_size: 4")
+        + "generation_batch_size: 12\n"
+    )
+    argv = ["--config", str(recipe), "--gpu-memory", "1GB", "--gpus"]
+    assert plan.main([*argv, "3"]) == 0
+    assert "verdict: FITS" in capsys.readouterr().out
+    assert plan.main([*argv, "1"]) == 4
+    assert "group_shuffle cannot split the generation batch" in capsys.readouterr().out
+    assert plan.main([*argv, "2"]) == 4
+    assert "  - generation_batch_size (12) must be divisible by the global batch size (8)." in capsys.readouterr().out
+
+
 def test_scores_count_this_gpus_rows(preset_stats):
     """The loss pass's log-probs, entropies and their gradients `[rows, C]` fp32 are of the rows a GPU holds: all G
     unsharded, G / group when the prompt state is sharded (as the decode tail's rows)."""

@@ -1548,7 +1548,8 @@ class Recipe:
 def read_recipe(path: str | Path) -> Recipe:
     """Parses a recipe YAML with the recipe's own parser (`trl_longstraw.recipe.make_parser`), so that its keys are
     checked as the recipe checks them. `bf16` is read as off: the planner runs without a GPU, and TrainingArguments
-    refuses bf16 there; the planner's `--precision` decides the bytes instead.
+    refuses bf16 there; the planner's `--precision` decides the bytes instead. The training arguments are those of a
+    one-process run: `recipe_training_args` has them for the planned GPUs.
 
     Raises:
         ValueError: for a missing file or keys that the recipe does not know.
@@ -1557,17 +1558,45 @@ def read_recipe(path: str | Path) -> Recipe:
         raise ValueError(f"--config {str(path)!r}: no such file")
     import yaml
 
-    from .recipe import make_parser
-
     try:
-        script_args, training_args, model_args = make_parser().parse_args_and_config(
-            args=["--config", str(path), "--bf16", "false", "--fp16", "false"]
-        )
+        script_args, training_args, model_args = _parse_recipe(path)
     except yaml.YAMLError as e:
         raise ValueError(f"--config {str(path)!r} is not valid YAML: {e}") from None
     except SystemExit:
         raise ValueError(f"--config {str(path)!r} is not a recipe config that recipes/grpo_long.py reads") from None
     return Recipe(str(path), script_args, training_args, model_args)
+
+
+def _parse_recipe(path: str | Path, flags: tuple[str, ...] = (), config_class: type | None = None) -> tuple:
+    """The recipe parser's three argument objects for the YAML at `path` and command-line `flags`."""
+    from .recipe import make_parser
+
+    parser = make_parser() if config_class is None else make_parser(config_class)
+    return parser.parse_args_and_config(args=["--config", str(path), "--bf16", "false", "--fp16", "false", *flags])
+
+
+def recipe_training_args(recipe: Recipe, gpus: int, num_generations: int | None = None):
+    """The recipe's training arguments as each of `gpus` trainer processes has them (a `LongStrawGRPOConfig`).
+
+    TRL's `GRPOConfig.__post_init__` derives `steps_per_generation` and `generation_batch_size` from the number of
+    processes (a recipe's global `generation_batch_size` is spread over them; without either key
+    `steps_per_generation` is `gradient_accumulation_steps`), and with them the rows that each process holds
+    (`per_device_train_batch_size * steps_per_generation`) and of a group (`trainer._local_group_size`). The
+    recipe's one-process parse (`read_recipe`) cannot know them: the recipe is parsed again, by TRL's own code, with
+    the config's `world_size` set to `gpus`. `num_generations`: the planner's group size (`--group-size` overrides
+    the recipe's), None for the recipe's.
+
+    Raises:
+        ValueError: TRL's refusal of the recipe on `gpus` processes, e.g. a `generation_batch_size` that the
+            processes' batch does not divide.
+    """
+    from .config import LongStrawGRPOConfig
+
+    # TrainingArguments' `world_size` is a property of the launch (the distributed state): a subclass that reports
+    # the planned processes instead, so that TRL derives the batch as each of them does.
+    config_class = type(LongStrawGRPOConfig.__name__, (LongStrawGRPOConfig,), {"world_size": property(lambda _: gpus)})
+    flags = () if num_generations is None else ("--num_generations", str(num_generations))
+    return _parse_recipe(recipe.path, flags, config_class)[1]
 
 
 def recipe_model(name: str) -> str:
@@ -1678,15 +1707,13 @@ def rope_override_refusal(config, model_init_kwargs: dict | None) -> str | None:
 
 # -------------------------------------------------------------------------------------------------- refusals
 def rows_per_process(recipe: Recipe, gpus: int) -> int:
-    """Rows of a generation batch that TRL gives each of `gpus` processes (`per_device_train_batch_size *
-    steps_per_generation`) under a recipe: a recipe that sets the global `generation_batch_size` (and not
-    `steps_per_generation`) spreads it over the processes, which the recipe's one-process parse cannot know."""
-    import yaml
+    """Rows of a generation batch that TRL gives each of `gpus` processes under a recipe
+    (`per_device_train_batch_size * steps_per_generation`, `recipe_training_args`).
 
-    args = recipe.training_args
-    raw = yaml.safe_load(Path(recipe.path).read_text()) or {}
-    if raw.get("generation_batch_size") is not None and raw.get("steps_per_generation") is None:
-        return max(1, raw["generation_batch_size"] // gpus)
+    Raises:
+        ValueError: TRL's refusal of the recipe on `gpus` processes.
+    """
+    args = recipe_training_args(recipe, gpus)
     return args.per_device_train_batch_size * args.steps_per_generation
 
 
@@ -1704,15 +1731,22 @@ def trainer_refusals(
     """What `LongStrawGRPOTrainer` (and the recipe) would refuse at construction for this model and setup, each as
     the trainer's own message: prompts beyond an unscaled RoPE window, per-call RoPE it cannot pin, a shard group
     that G does not cover (`sharding.shard_group_size`), a sharded prompt state the adapter lacks, active dropout, and
-    with a recipe its training arguments (`trainer._check_args`, the
-    MoE router's auxiliary loss, LoRA dropout, a `rope_parameters` override that differs from `original_config`, the
-    config before the recipe's `model_init_kwargs`)."""
+    with a recipe its training arguments as each of `setup.gpus` processes has them (`recipe_training_args`: TRL's
+    own refusals, `trainer._check_args`, the MoE router's auxiliary loss, LoRA dropout, a `rope_parameters` override
+    that differs from `original_config`, the config before the recipe's `model_init_kwargs`)."""
     from .adapters import ADAPTERS
     from .guards import active_dropout, check_positions
     from .rope import rotary_modules
     from .sharding import shard_group_size
 
     out = []
+    # The recipe's training arguments on the planned GPUs, with the planned G; None where TRL itself refuses them.
+    args = None
+    if recipe is not None:
+        try:
+            args = recipe_training_args(recipe, setup.gpus, setup.group_size)
+        except ValueError as e:
+            out.append(str(e))
     try:
         check_positions(config, setup.positions + setup.completion_length)
     except ValueError as e:
@@ -1721,10 +1755,10 @@ def trainer_refusals(
         rotary_modules(causal_lm)
     except ValueError as e:
         out.append(str(e))
-    if setup.shard_prompt_state and setup.gpus > 1:
+    if setup.shard_prompt_state and setup.gpus > 1 and (recipe is None or args is not None):
         # The trainer's rule for the shard group (`sharding.shard_group_size`, in `_make_prompt_shards`): G must be a
-        # multiple of the group's rows. Rows per process: the recipe's, else 1 (the fewest TRL allows).
-        rows = rows_per_process(recipe, setup.gpus) if recipe is not None else 1
+        # multiple of the group's rows. Rows per process: the recipe's on these GPUs, else 1 (the fewest TRL allows).
+        rows = 1 if args is None else args.per_device_train_batch_size * args.steps_per_generation
         try:
             shard_group_size(setup.gpus, setup.shard_group, setup.group_size, rows)
         except ValueError as e:
@@ -1746,30 +1780,31 @@ def trainer_refusals(
     if recipe is not None:
         from .trainer import _check_args
 
-        args = recipe.training_args
-        rope = rope_override_refusal(original_config or config, args.model_init_kwargs)
+        trained = recipe.training_args if args is None else args
+        rope = rope_override_refusal(original_config or config, trained.model_init_kwargs)
         if rope is not None:
             out.append(rope)
         # The trainer checks expert parallelism against its processes: here, the planned GPUs.
-        ep = getattr(args, "expert_parallel_size", 1)
+        ep = getattr(trained, "expert_parallel_size", 1)
         if ep > 1:
             from . import expert_parallel
 
             for check in (
-                lambda: expert_parallel.check_args(args, setup.gpus),
+                lambda: expert_parallel.check_args(trained, setup.gpus),
                 lambda: expert_parallel.check_model_config(config, ep),
             ):
                 try:
                     check()
                 except ValueError as e:
                     out.append(str(e))
-            args = copy.copy(args)
-            args.expert_parallel_size = 1
-        try:
-            _check_args(args, world_size=setup.gpus)
-        except ValueError as e:
-            out.append(str(e))
-        coef = args.router_aux_loss_coef
+            trained = copy.copy(trained)
+            trained.expert_parallel_size = 1
+        if args is not None:  # else TRL refuses the arguments (above) before the trainer checks them
+            try:
+                _check_args(trained, world_size=setup.gpus)
+            except ValueError as e:
+                out.append(str(e))
+        coef = trained.router_aux_loss_coef
         coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
         if hasattr(config, "output_router_logits") and coef != 0.0:
             out.append(

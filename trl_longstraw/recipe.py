@@ -117,13 +117,14 @@ class LongStrawScriptArguments(ScriptArguments):
             )
 
 
-def make_parser() -> TrlParser:
-    """The recipe's parser over (`LongStrawScriptArguments`, `LongStrawGRPOConfig`, `ModelConfig`).
+def make_parser(config_class: type = LongStrawGRPOConfig) -> TrlParser:
+    """The recipe's parser over (`LongStrawScriptArguments`, `LongStrawGRPOConfig`, `ModelConfig`); the planner
+    passes a subclass of `LongStrawGRPOConfig` as `config_class` (`trl_longstraw.plan.recipe_training_args`).
 
     `--lora_dropout` defaults to 0 instead of `ModelConfig`'s 0.05: LongStrawGRPOTrainer refuses active dropout
     (each token runs in several passes, each of which would draw its own mask). A YAML key or flag still sets it.
     """
-    parser = TrlParser((LongStrawScriptArguments, LongStrawGRPOConfig, ModelConfig))
+    parser = TrlParser((LongStrawScriptArguments, config_class, ModelConfig))
     parser.set_defaults_with_config(lora_dropout=0.0)
     return parser
 
