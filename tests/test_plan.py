@@ -897,6 +897,102 @@ def test_delta_rule_groups_follow_the_engine(monkeypatch):
         assert min(max(groups) * qwen3_5.DELTA_RULE_BLOCK, length) == plan.delta_rule_group(length, v_dim)
 
 
+def test_later_ranks_of_a_round_count_the_widened_delta_rule():
+    """A later rank of a qwen3_5 context-parallel round runs the delta rule on values widened by Dk zero columns
+    (`qwen3_5.segment_gated_delta_rule`): the planner's value-wide work tensors there are `(Dv + Dk) / Dv` times the
+    plain rule's, beside the widened values and the resumed output (reverse pass), and the no-grad prefill's delta rule
+    runs `Dv + Dk` wide. A sharded budget (2 GPUs) reports that rank, on CPU (inventories) and CUDA (the multiples plus
+    the widening); nothing changes for a model without Gated DeltaNet layers or for one process."""
+    b, heads, k_dim, v_dim = 4, 4, 32, 48
+    work = plan.delta_rule_value_work(heads, k_dim, v_dim)
+    assert plan.delta_rule_value_work(heads, k_dim, v_dim + k_dim) * v_dim == work * (v_dim + k_dim)
+    widths = dict(hidden_size=96, intermediate_size=160, num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+    gdn = dict(
+        linear_num_key_heads=2, linear_num_value_heads=heads, linear_key_head_dim=k_dim, linear_value_head_dim=v_dim
+    )
+    _, qwen = _tiny_stats(
+        "qwen3_5",
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        **widths,
+        **gdn,
+    )
+    assert qwen.delta_rule == (heads, k_dim, v_dim, 2 * 2 * k_dim + heads * v_dim)
+    plain, wide = (plan._reverse_mixer_bytes(qwen, "linear_attention", b, w) for w in (False, True))
+    beside = heads * ((v_dim + k_dim) * b + v_dim * 4)  # the widened values, the resumed output
+    wider = plan.delta_rule_value_work(heads, k_dim, v_dim + k_dim) - work + beside
+    assert wide - plain == wider > 0
+    assert plan.reverse_bytes(qwen, b, "cpu", widened=True) - plan.reverse_bytes(qwen, b, "cpu") == wider
+    chunk = 1024
+    assert plan.prefill_bytes(qwen, b, chunk, widened=True) - plan.prefill_bytes(qwen, b, chunk) == chunk * (
+        heads * (v_dim + k_dim) * b
+    ) + plan.delta_rule_prefill_bytes(chunk, heads, k_dim, v_dim + k_dim) - plan.delta_rule_prefill_bytes(
+        chunk, heads, k_dim, v_dim
+    )
+    assert plan.delta_rule_prefill_bytes(chunk, heads, k_dim, v_dim + k_dim) > plan.delta_rule_prefill_bytes(
+        chunk, heads, k_dim, v_dim
+    )
+    # A sharded budget: the later rank's chunk activations, next to the same step in one process.
+    one = Setup(positions=20 * chunk, prefill_chunk_size=chunk, gpus=1, compute_bytes=b, fsdp=False)
+    two = replace(one, gpus=2, shard_prompt_state=True)
+    gathered = plan.round_states_bytes(qwen, 2)
+    assert gathered == 2 * heads * k_dim * (v_dim + k_dim) * 4
+    for device in ("cpu", "cuda"):
+        for mode in ("exact", "detached"):
+            exact = mode == "exact"
+            single, sharded = (estimate(qwen, replace(u, mode=mode, device=device)) for u in (one, two))
+            exchange = plan.context_parallel_exchange(qwen, 2, chunk, b, autograd=exact)
+            records = 2 * qwen.state_fixed if exact else 0  # the other chunk's recomputed records and zero seeds
+            if exact:
+                widening = chunk * wider
+            else:
+                widening = plan.prefill_bytes(qwen, b, chunk, widened=True) - plan.prefill_bytes(qwen, b, chunk)
+            added = _item(sharded, "chunk activations") - _item(single, "chunk activations")
+            assert added == widening + exchange + gathered + records, (device, mode)
+            assert "widened by Dk" in [i for i in sharded.items if i.name == "chunk activations"][0].detail
+    # No Gated DeltaNet layer: no widening.
+    _, llama = _tiny_stats("llama", num_hidden_layers=2, **widths)
+    assert plan.prefill_bytes(llama, b, chunk, widened=True) == plan.prefill_bytes(llama, b, chunk)
+    assert plan.reverse_bytes(llama, b, "cpu", widened=True) == plan.reverse_bytes(llama, b, "cpu")
+    sharded = estimate(llama, replace(two, device="cpu"))
+    assert "widened" not in [i for i in sharded.items if i.name == "chunk activations"][0].detail
+
+
+def test_widened_delta_rule_prefill_matches_the_allocated_peak():
+    """The no-grad delta rule's count (`plan.delta_rule_prefill_bytes`: plain, and widened by Dk with the widened
+    values beside it) against the peak that PyTorch's CPU allocator reaches in `torch_gated_delta_rule` and in
+    `segment_gated_delta_rule` + `resume_gated_delta_rule` (a later rank of a round), at widths where each of the
+    rule's moments is the larger: within 10% above and 5% below."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from calibrate_planner import allocated_peak
+
+    from trl_longstraw import qwen3_5
+
+    g = torch.Generator().manual_seed(0)
+    t = 1024
+    for k_heads, heads, k_dim, v_dim in ((2, 4, 32, 32), (1, 2, 64, 96), (1, 2, 128, 128)):
+        inputs = (
+            torch.randn(1, t, k_heads, k_dim, generator=g),
+            torch.randn(1, t, k_heads, k_dim, generator=g),
+            torch.randn(1, t, heads, v_dim, generator=g),
+            -torch.rand(1, t, heads, generator=g),
+            torch.rand(1, t, heads, generator=g),
+        )
+        start = torch.randn(1, heads, k_dim, v_dim, generator=g)
+
+        def later(inputs=inputs, start=start):
+            out, carry, _, _ = qwen3_5.segment_gated_delta_rule(*inputs)
+            return qwen3_5.resume_gated_delta_rule(out, carry, start)
+
+        with torch.no_grad():
+            plain, _ = allocated_peak(functools.partial(qwen3_5.gated_delta_rule, *inputs, start))
+            widened, _ = allocated_peak(later)
+        predicted = plan.delta_rule_prefill_bytes(t, heads, k_dim, v_dim)
+        assert 0.95 <= predicted / plain <= 1.10, ("plain", k_dim, v_dim, predicted, plain)
+        predicted = plan.delta_rule_prefill_bytes(t, heads, k_dim, v_dim + k_dim) + t * heads * (v_dim + k_dim) * 4
+        assert 0.95 <= predicted / widened <= 1.10, ("widened", k_dim, v_dim, predicted, widened)
+
+
 def test_dsa_selection_buffers_are_counted(preset_stats):
     """GLM-5.2's top-k selection keeps each query's running candidates (2,048 kept + a block of at most 32,768 keys,
     fp32 scores and int64 numbers) and one fp32 indexer score tile of at most 2^26 elements."""
