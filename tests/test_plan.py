@@ -956,6 +956,13 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
     assert plan.reverse_bytes(llama, b, "cpu", widened=True) == plan.reverse_bytes(llama, b, "cpu")
     sharded = estimate(llama, replace(two, device="cpu"))
     assert "widened" not in [i for i in sharded.items if i.name == "chunk activations"][0].detail
+    # A round's attention keeps its output for the recompute in the accumulation dtype: fp32 for a bf16 model.
+    outputs, lses = llama.kept_attention
+    for u, width in ((one, 2), (two, 4)):
+        u = replace(u, compute_bytes=2)
+        kept = _item(estimate(llama, u), "chunk activations")
+        kept -= _item(estimate(llama, replace(u, attention_reuse=False)), "chunk activations")
+        assert kept == chunk * (outputs * width + lses * 4), width
 
 
 def test_widened_delta_rule_prefill_matches_the_allocated_peak():

@@ -1316,6 +1316,10 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # With `prefill_attention_reuse` the chunk's kept outputs are the prefill's, which the reverse pass takes
         # instead of allocating its own: counted once, in "prefill attention outputs" (every prompt token's).
         allocated = 0 if u.prefill_attention_reuse and not u.shard_prompt_state else reuse
+        if allocated and context_parallel:
+            # A round's attention (`sharding._ShardedPrefixAttention`) keeps its output in the accumulation dtype
+            # (fp32 for a bf16 model), where one process's fused path keeps it in the compute dtype.
+            allocated += s.kept_attention[0] * (max(u.compute_bytes, 4) - u.compute_bytes)
         if itemized is not None:
             # The CPU reverse pass's own inventory (`reverse_bytes`), attention outputs included.
             reverse_per_token = itemized - reuse + allocated
@@ -1338,7 +1342,8 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
                 + (", CPU inventory" if itemized is not None else "")
                 + (", a later rank of a round: its delta rule on values widened by Dk" if widened else "")
                 + (
-                    ", attention outputs kept for the recompute)"
+                    ", attention outputs kept for the recompute"
+                    + (" in fp32)" if context_parallel and u.compute_bytes < 4 else ")")
                     if allocated
                     else ", the prefill's attention outputs kept for the recompute)"
                     if reuse
