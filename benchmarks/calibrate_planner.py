@@ -460,6 +460,8 @@ def cpu_case(family: str, held_out: bool = False, trace: str | None = None, shar
         if rank == 0:
             for r, text in enumerate(texts):
                 print((f"rank {r}:\n" if shards is not None else "") + text, file=sys.stderr, flush=True)
+        if shards is not None:
+            dist.destroy_process_group()
         return []
     allocated = dict(zip(("detached", "exact"), run(p, allocated_peak), strict=True))
     rss = dict(zip(("detached", "exact"), run(p, rss_growth), strict=True))
@@ -474,6 +476,7 @@ def cpu_case(family: str, held_out: bool = False, trace: str | None = None, shar
         row.update(P=p, chunk=chunk, rank=rank, world=shards.world, held=held.get(row["mode"], 0))
     everyone = [None] * shards.world
     dist.all_gather_object(everyone, rows)
+    dist.destroy_process_group()
     return [row for rows in everyone for row in rows] if rank == 0 else []
 
 
