@@ -1056,6 +1056,10 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     graph (a completion replayed with autograd), one chunk's activations (the exact-mode reverse pass, or the no-grad
     prefill), generation's decode tail (this GPU's rows' decoded tokens against the prompt state), or TRL's copies of
     the batch (concatenations, shuffle): those never coexist. The batch itself (ids and masks) is held throughout.
+
+    With a sharded state whose prompt passes are context-parallel rounds, the GPU is the one with the largest peak: a
+    later rank of a round, which also holds the round's exchanges and, for Gated DeltaNet layers, runs the delta rule
+    on values widened by Dk (`qwen3_5.segment_gated_delta_rule`) and holds the round's recurrent records.
     """
     s, u = stats, setup
     exact = u.mode == "exact"
