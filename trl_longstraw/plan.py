@@ -553,12 +553,15 @@ def delta_rule_prefill_bytes(chunk: int, heads: int, k_dim: int, v_dim: int) -> 
     return heads * 4 * max(peak, stack)
 
 
-def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int, widened: bool = False) -> int | None:
+def prefill_bytes(
+    stats: ModelStats, compute_bytes: int, chunk: int, widened: bool = False, mixers: bool = True
+) -> int | None:
     """Bytes of the no-grad prefill of a `chunk`-token chunk (see `PREFILL_RESIDUAL_TENSORS`), or None for MoE
     models, whose routed experts' dispatch buffers are not itemized (`ACTIVATION_MULTIPLES` covers them).
 
     `widened`: on a later rank of a context-parallel round, whose Gated DeltaNet layers run the delta rule on values
-    widened to `[chunk, Hv, Dv + Dk]` (`qwen3_5.segment_gated_delta_rule`); no effect on a model without them."""
+    widened to `[chunk, Hv, Dv + Dk]` (`qwen3_5.segment_gated_delta_rule`); no effect on a model without them.
+    `mixers=False`: the gated MLP's phase alone (without the Gated DeltaNet's)."""
     if stats.num_experts or not stats.intermediate_size:
         return None
     s, b = stats, compute_bytes
@@ -570,7 +573,7 @@ def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int, widened: bo
     unwritten = 2 * s.kv_width * b if s.layer_kinds and s.layer_kinds[-1] == "attention" else 0
     peak = chunk * (residuals * s.hidden_size + PREFILL_MLP_TENSORS * s.intermediate_size) * b
     heads, k_dim, v_dim, conv_dim = s.delta_rule
-    if heads:
+    if heads and mixers:
         projections = chunk * (DELTA_RULE_RESIDUAL_TENSORS * s.hidden_size + 2 * conv_dim + heads * v_dim) * b
         width = v_dim + k_dim if widened else v_dim
         if widened:  # the widened values, beside the projections they come from
@@ -655,11 +658,14 @@ def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int, widened: bool = F
     return (queries * stats.attention_heads * stats.head_dim + 2 * stats.kv_width) * b
 
 
-def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str, widened: bool = False) -> int | None:
+def reverse_bytes(
+    stats: ModelStats, compute_bytes: int, device: str, widened: bool = False, mixers: tuple[str, ...] = ()
+) -> int | None:
     """Bytes per chunk token of the exact-mode reverse pass (checkpointed, attention outputs kept) where it is
     itemized: dense models on CPU (see `REVERSE_CHUNK_RESIDUALS`). None elsewhere: the CUDA reverse pass and MoE
     models use the activation multiples (`ACTIVATION_MULTIPLES`). `widened`: on a later rank of a context-parallel
-    round, whose Gated DeltaNet layers run the widened delta rule (`REVERSE_WIDENED_VALUES`)."""
+    round, whose Gated DeltaNet layers run the widened delta rule (`REVERSE_WIDENED_VALUES`). `mixers`: the token
+    mixer kinds of layer L-2 to take (default: the largest of the model's layers before the last)."""
     s, b = stats, compute_bytes
     if device != "cpu" or s.num_experts or not s.intermediate_size or not s.layer_kinds:
         return None
@@ -677,7 +683,7 @@ def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str, widened: b
     live = (
         REVERSE_LIVE_RESIDUALS * s.hidden_size * b
         + REVERSE_MLP_LIVE * s.intermediate_size * b
-        + max(_reverse_mixer_bytes(s, kind, b, widened) for kind in earlier or {last})
+        + max(_reverse_mixer_bytes(s, kind, b, widened) for kind in mixers or earlier or {last})
     )
     return chunk + live
 
@@ -1298,12 +1304,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     # The rank whose peak this is: a later rank of a context-parallel round, whose Gated DeltaNet layers run the delta
     # rule on values widened by Dk zero columns (`qwen3_5.segment_gated_delta_rule`); the first runs the plain one.
     widened = context_parallel and s.delta_rule[0] > 0
+    exchange = 0
     if context_parallel:
         # Context-parallel prompt passes: each rank runs its own chunk of a round, and one attention layer at a
         # time exchanges the round's queries and partial outputs.
         exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact, device=u.device)
-        tiles += exchange
         scored += f" + {_size(exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
+        if not widened:
+            tiles, exchange = tiles + exchange, 0
     if widened:
         # One DeltaNet layer's all-gather of every rank's final state and transition.
         gathered = round_states_bytes(s, state_parts)
@@ -1356,10 +1364,22 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             wider = _reverse_mixer_bytes(s, "linear_attention", u.compute_bytes, widened=True)
             wider -= _reverse_mixer_bytes(s, "linear_attention", u.compute_bytes)
             reverse_per_token += wider * (1 if checkpointed else s.layer_kinds.count("linear_attention"))
+        activations = chunk * reverse_per_token + tiles
+        if exchange:
+            # A model with Gated DeltaNet layers: the attention layers' exchange happens in their backward, beside
+            # their own saved tensors, not a DeltaNet layer's (on CPU, the inventory with the attention mixer; the
+            # CUDA multiples are per layer of any kind, so the exchange is added to them).
+            beside = (
+                reverse_bytes(s, u.compute_bytes, u.device, mixers=("attention",)) if itemized is not None else None
+            )
+            if beside is not None:
+                activations = max(activations, chunk * (beside - reuse + allocated) + tiles + exchange)
+            else:
+                activations += exchange
         items.append(
             Item(
                 "chunk activations",
-                chunk * reverse_per_token + tiles,
+                activations,
                 f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
                 + (", CPU inventory" if itemized is not None else "")
                 + (", a later rank of a round: its delta rule on values widened by Dk" if widened else "")
@@ -1380,11 +1400,17 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         forward = prefill_bytes(s, u.compute_bytes, chunk, widened)
         if forward is None:
             forward = chunk * int(no_grad * s.layer_activation_elems * u.compute_bytes)
+        activations = forward + tiles
+        if exchange:
+            # The Gated DeltaNet phase and an attention layer's exchange never coexist: the exchange goes beside the
+            # gated MLP's phase (which the attention layer's own tensors stay below).
+            mlp = prefill_bytes(s, u.compute_bytes, chunk, mixers=False)
+            activations = max(activations, mlp + tiles + exchange)
         later = ", a later rank of a round: its delta rule on values widened by Dk" if widened else ""
         items.append(
             Item(
                 "chunk activations",
-                forward + tiles,
+                activations,
                 f"{chunk:,} tokens x {_size(forward // chunk)} (no-grad prefill, one layer at a time{later}){scored}",
                 phase="activations",
             )
