@@ -631,9 +631,11 @@ def sharded_predicted(measurements: list[dict]) -> list[dict]:
         top = max(range(len(ranks)), key=peaks.__getitem__)
         what = "no-grad prefill" if mode == "detached" else "reverse pass"
         others = ", ".join(f"rank {r}: {peaks[r] / MIB:.2f}" for r in range(len(ranks)) if r != top)
+        profiler = (ranks[top].get("profiler", ranks[top]["measured"]) + ranks[top]["held"]) / MIB
         rows.append(
             {
-                "case": f"{family} tiny, {world} ranks (P={p:,}, chunk {chunk:,}), {what}: rank {top} ({others})",
+                "case": f"{family} tiny, {world} ranks (P={p:,}, chunk {chunk:,}), {what}: rank {top} ({others}; "
+                f"profiler {profiler:.2f})",
                 "measured": peaks[top],
                 "rss": ranks[top]["rss"] + ranks[top]["held"],
                 **items,
@@ -674,9 +676,12 @@ def sharded_section(measurements: list[dict]) -> list[str]:
         f"## CPU, sharded: {SHARDED_WORLD} processes (gloo), tiny models, the prompt state sharded over them",
         "",
         f"`CPU_WIDTHS` as above (fp32), chunks of {SHARDED_CHUNK:,}, `shard_prompt_state`: context-parallel prefill",
-        "and reverse rounds of one chunk per rank. Each rank measures its own phases as the single-process rows do",
-        "(its allocated peak; the reverse pass's with the state and gradients it starts with, as this rank holds",
-        "them); the row is the larger rank's, the other's in the case. The planner's items are its per-GPU",
+        "and reverse rounds of one chunk per rank. Each rank measures its own phases: the peak of the bytes that",
+        "malloc has handed out in all its threads (`malloc_peak`, sampled; the reverse pass's with the state and",
+        "gradients it starts with, as this rank holds them). The profiler's allocated peak, which the single-process",
+        "rows use, is in the case: it misses the frees made in gloo's worker threads, so it drifts up with the number",
+        "of collectives (by 10 to 25 MiB here, and more at 16K than at 8K, where the resident set does not grow). The",
+        "row is the larger rank's, the other's in the case. The planner's items are its per-GPU",
         f"prediction of a sharded setup over {SHARDED_WORLD} GPUs, the peak rank's: a later rank of a qwen3_5 round",
         "runs the delta rule on values widened by Dk columns (`plan.prefill_bytes` and `plan.reverse_bytes` with",
         "`widened`).",

@@ -943,7 +943,7 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
         for mode in ("exact", "detached"):
             exact = mode == "exact"
             single, sharded = (estimate(qwen, replace(u, mode=mode, device=device)) for u in (one, two))
-            exchange = plan.context_parallel_exchange(qwen, 2, chunk, b, autograd=exact, device=device)
+            exchange = plan.context_parallel_exchange(qwen, 2, chunk, b, autograd=exact)
             records = 2 * qwen.state_fixed if exact else 0  # the other chunk's recomputed records and zero seeds
             tiles = plan.score_tiles(qwen, b, chunk, autograd=exact, device=device) + gathered + records
             if exact and device == "cuda":

@@ -299,43 +299,31 @@ def context_parallel_heads(config) -> int:
     return -1 if config.model_type == "glm_moe_dsa" else 0
 
 
-def context_parallel_exchange(
-    stats: ModelStats, world: int, chunk: int, compute_bytes: int, autograd: bool, device: str = "cuda"
-) -> int:
+def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute_bytes: int, autograd: bool) -> int:
     """Transient bytes of one attention layer's exchange in a context-parallel round of `world` chunks of `chunk`
     tokens (`sharding._ShardedPrefixAttention`), on each rank: what its forward (prefill) or backward (`autograd`,
     the exact-mode reverse pass, whose forward's buffers are freed by then) holds at its peak, beyond the layer's own
-    inputs. Counted from the code and read off traces of 2-process CPU runs (`benchmarks/calibrate_planner.py --trace
-    FAMILY --sharded P`), per token of this rank's chunk, `W = world`:
+    tensors. Counted from the code at the moments that traces of 2-process CPU runs show as the peaks
+    (`benchmarks/calibrate_planner.py --trace FAMILY --sharded P`), per token of this rank's chunk, `W = world`, and
+    checked against those runs' peaks (benchmarks/CALIBRATION.md's sharded rows):
 
     - forward, at the final merge: every rank's queries, keys and values gathered (`W (q + kv)`, compute dtype) and
       the gathered queries' permuted copy (`W q`); in fp32, the partial outputs and log-sum-exps of every rank's
       queries against this rank's chunks (`W (out + h)`), packed and received (twice more), the merge's stack of the
-      own and received parts and its weighted copy (`2 (W + 1) out`); the own causal part's contiguous queries and
-      keys and values repeated to the query heads (`3 q`) and its output (`out`), compute dtype;
+      own and received parts and its weighted copy (`2 (W + 1) out`);
     - backward, at the final all-to-all: in fp32, every rank's queries, output gradients, outputs, log-sum-exps, keys
       and values gathered (`W (q + 2 out + h + kv)`) and their permuted copy without the keys (`W (q + 2 out + h)`),
       the contiguous output gradients and outputs (`2 W out`), the query-gradient shares (`W q`) and the earlier
-      chunks' key and value gradients (`W kv`), this rank's packed rows (`q + 2 out + h`), the own part's kernel
-      gradients and the query gradient (`4 q`), the shares and key-value gradients sent and received
-      (`2 W (q + kv)`); the gathered queries cast back (`W q`, compute dtype).
-
-    On CPU, gloo's all-gather also stages its output in a flat buffer of the same size while it runs (the forward's
-    `W (q + kv)`, the backward's `W (q + 2 out + h + kv)`): counted beside the peak, as the ranks' measured peaks
-    reach it (benchmarks/CALIBRATION.md's sharded rows).
+      chunks' key and value gradients (`W kv`), this rank's packed rows (`q + 2 out + h`), the shares and key-value
+      gradients sent and received (`2 W (q + kv)`); the gathered queries cast back (`W q`, compute dtype).
     """
     q, out = stats.query_exchange
     h, kv, w, b = stats.attention_heads, stats.round_kv_elems, world, compute_bytes
     if not autograd:
-        forward = w * (2 * q + kv) * b + ((5 * w + 2) * out + 3 * w * h) * 4 + (3 * q + out) * b
-        staged = w * (q + kv) * b if device == "cpu" else 0
-        return chunk * (forward + staged)
+        return chunk * (w * (2 * q + kv) * b + ((5 * w + 2) * out + 3 * w * h) * 4)
     rows = q + 2 * out + h
-    backward = (
-        w * (rows + kv) + w * rows + 2 * w * out + w * q + w * kv + rows + 4 * q + 2 * w * (q + kv)
-    ) * 4 + w * q * b
-    staged = w * (rows + kv) * 4 if device == "cpu" else 0
-    return chunk * (backward + staged)
+    backward = w * (rows + kv) + w * rows + 2 * w * out + w * q + w * kv + rows + 2 * w * (q + kv)
+    return chunk * (backward * 4 + w * q * b)
 
 
 # ------------------------------------------------------------------------------------------------------- model
@@ -1308,7 +1296,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     if context_parallel:
         # Context-parallel prompt passes: each rank runs its own chunk of a round, and one attention layer at a
         # time exchanges the round's queries and partial outputs.
-        exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact, device=u.device)
+        exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
         scored += f" + {_size(exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
         if not widened:
             tiles, exchange = tiles + exchange, 0
