@@ -932,9 +932,9 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
     assert plan.delta_rule_prefill_bytes(chunk, heads, k_dim, v_dim + k_dim) > plan.delta_rule_prefill_bytes(
         chunk, heads, k_dim, v_dim
     )
-    # A sharded budget: the later rank's chunk activations, next to the same step in one process. The widened rule
-    # and an attention layer's exchange never coexist: the exchange goes beside the MLP phase (prefill) or the
-    # attention layer's graph (CPU reverse); the CUDA multiples, per layer of any kind, take both.
+    # A sharded budget: the later rank's chunk activations, next to the same step in one process. In the prefill the
+    # widened rule and an attention layer's exchange never coexist (the exchange goes beside the MLP phase); the
+    # reverse pass adds the exchange to the widened rule's phase (an upper bound).
     one = Setup(positions=20 * chunk, prefill_chunk_size=chunk, gpus=1, compute_bytes=b, fsdp=False)
     two = replace(one, gpus=2, shard_prompt_state=True)
     gathered = plan.round_states_bytes(qwen, 2)
@@ -946,13 +946,8 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
             exchange = plan.context_parallel_exchange(qwen, 2, chunk, b, autograd=exact)
             records = 2 * qwen.state_fixed if exact else 0  # the other chunk's recomputed records and zero seeds
             tiles = plan.score_tiles(qwen, b, chunk, autograd=exact, device=device) + gathered + records
-            if exact and device == "cuda":
+            if exact:  # an upper bound: the exchange beside the widened rule's phase
                 expected = _item(single, "chunk activations") + chunk * wider + exchange + gathered + records
-            elif exact:
-                attention = plan.reverse_bytes(qwen, b, device, mixers=("attention",))
-                widened = chunk * plan.reverse_bytes(qwen, b, device, widened=True) + tiles
-                expected = max(widened, chunk * attention + tiles + exchange)
-                assert widened - _item(single, "chunk activations") == chunk * wider + gathered + records
             else:
                 widened = plan.prefill_bytes(qwen, b, chunk, widened=True) + tiles
                 expected = max(widened, plan.prefill_bytes(qwen, b, chunk, mixers=False) + tiles + exchange)

@@ -646,14 +646,11 @@ def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int, widened: bool = F
     return (queries * stats.attention_heads * stats.head_dim + 2 * stats.kv_width) * b
 
 
-def reverse_bytes(
-    stats: ModelStats, compute_bytes: int, device: str, widened: bool = False, mixers: tuple[str, ...] = ()
-) -> int | None:
+def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str, widened: bool = False) -> int | None:
     """Bytes per chunk token of the exact-mode reverse pass (checkpointed, attention outputs kept) where it is
     itemized: dense models on CPU (see `REVERSE_CHUNK_RESIDUALS`). None elsewhere: the CUDA reverse pass and MoE
     models use the activation multiples (`ACTIVATION_MULTIPLES`). `widened`: on a later rank of a context-parallel
-    round, whose Gated DeltaNet layers run the widened delta rule (`REVERSE_WIDENED_VALUES`). `mixers`: the token
-    mixer kinds of layer L-2 to take (default: the largest of the model's layers before the last)."""
+    round, whose Gated DeltaNet layers run the widened delta rule (`REVERSE_WIDENED_VALUES`)."""
     s, b = stats, compute_bytes
     if device != "cpu" or s.num_experts or not s.intermediate_size or not s.layer_kinds:
         return None
@@ -671,7 +668,7 @@ def reverse_bytes(
     live = (
         REVERSE_LIVE_RESIDUALS * s.hidden_size * b
         + REVERSE_MLP_LIVE * s.intermediate_size * b
-        + max(_reverse_mixer_bytes(s, kind, b, widened) for kind in mixers or earlier or {last})
+        + max(_reverse_mixer_bytes(s, kind, b, widened) for kind in earlier or {last})
     )
     return chunk + live
 
@@ -1352,18 +1349,10 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             wider = _reverse_mixer_bytes(s, "linear_attention", u.compute_bytes, widened=True)
             wider -= _reverse_mixer_bytes(s, "linear_attention", u.compute_bytes)
             reverse_per_token += wider * (1 if checkpointed else s.layer_kinds.count("linear_attention"))
-        activations = chunk * reverse_per_token + tiles
-        if exchange:
-            # A model with Gated DeltaNet layers: the attention layers' exchange happens in their backward, beside
-            # their own saved tensors, not a DeltaNet layer's (on CPU, the inventory with the attention mixer; the
-            # CUDA multiples are per layer of any kind, so the exchange is added to them).
-            beside = (
-                reverse_bytes(s, u.compute_bytes, u.device, mixers=("attention",)) if itemized is not None else None
-            )
-            if beside is not None:
-                activations = max(activations, chunk * (beside - reuse + allocated) + tiles + exchange)
-            else:
-                activations += exchange
+        # With Gated DeltaNet layers the exchange is added to the widened rule's phase, an upper bound: the 2-process
+        # CPU runs peak between that and the attention layers' backward with their exchange alone
+        # (benchmarks/CALIBRATION.md's sharded rows).
+        activations = chunk * reverse_per_token + tiles + exchange
         items.append(
             Item(
                 "chunk activations",
