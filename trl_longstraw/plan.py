@@ -1289,14 +1289,15 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     # The rank whose peak this is: a later rank of a context-parallel round, whose Gated DeltaNet layers run the delta
     # rule on values widened by Dk zero columns (`qwen3_5.segment_gated_delta_rule`); the first runs the plain one.
     widened = context_parallel and s.delta_rule[0] > 0
-    exchange = 0
+    # The attention layers' exchange of a context-parallel round, when it is not simply added to the chunk's phase.
+    cp_exchange = 0
     if context_parallel:
         # Context-parallel prompt passes: each rank runs its own chunk of a round, and one attention layer at a
         # time exchanges the round's queries and partial outputs.
-        exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
-        scored += f" + {_size(exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
+        cp_exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
+        scored += f" + {_size(cp_exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
         if not widened:
-            tiles, exchange = tiles + exchange, 0
+            tiles, cp_exchange = tiles + cp_exchange, 0
     if widened:
         # One DeltaNet layer's all-gather of every rank's final state and transition.
         gathered = round_states_bytes(s, state_parts)
@@ -1352,7 +1353,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # With Gated DeltaNet layers the exchange is added to the widened rule's phase, an upper bound: the 2-process
         # CPU runs peak between that and the attention layers' backward with their exchange alone
         # (benchmarks/CALIBRATION.md's sharded rows).
-        activations = chunk * reverse_per_token + tiles + exchange
+        activations = chunk * reverse_per_token + tiles + cp_exchange
         items.append(
             Item(
                 "chunk activations",
@@ -1378,11 +1379,11 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         if forward is None:
             forward = chunk * int(no_grad * s.layer_activation_elems * u.compute_bytes)
         activations = forward + tiles
-        if exchange:
+        if cp_exchange:
             # The Gated DeltaNet phase and an attention layer's exchange never coexist: the exchange goes beside the
             # gated MLP's phase (which the attention layer's own tensors stay below).
             mlp = prefill_bytes(s, u.compute_bytes, chunk, mixers=False)
-            activations = max(activations, mlp + tiles + exchange)
+            activations = max(activations, mlp + tiles + cp_exchange)
         later = ", a later rank of a round: its delta rule on values widened by Dk" if widened else ""
         items.append(
             Item(
