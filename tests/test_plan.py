@@ -336,40 +336,61 @@ def test_context_parallel_round_exchange_is_counted(preset_stats):
 
 def test_context_parallel_exchange_is_counted(preset_stats):
     """A context-parallel round (Qwen3.6-27B: 24 query heads and 4 key-value heads of 256, at W = 8 and chunks of 4096
-    in bf16) exchanges, for one attention layer at a time, the W * chunk queries, keys and values and fp32 partial
-    outputs of the round: forward 3.0 GB, backward (exact mode's reverse pass, with the earlier chunks' key and value
-    gradients) 5.2 GB, counted in the chunk activations; an unsharded state has none. A group of 6 ranks, which does
-    not divide the 16 DeltaNet key heads, is context-parallel too (the delta rule runs sequence-parallel). GLM-5.2's
-    rounds exchange MLA rows instead (`round_row_elems`, tested with its own term)."""
+    in bf16) exchanges, for one attention layer at a time, every rank's queries, keys and values and the fp32
+    partial outputs of the round (`plan.context_parallel_exchange`): forward 5.2 GB (at the final merge), backward
+    (exact mode's reverse pass, at the final all-to-all) 10.6 GB, counted in the chunk activations with the later
+    rank's widened delta rule, the round's gathered states and recurrent records, and the attention outputs it keeps
+    in fp32; an unsharded state has none. A group of 6 ranks, which does not divide the 16 DeltaNet key heads, is
+    context-parallel too (the delta rule runs sequence-parallel). GLM-5.2's rounds exchange MLA rows instead
+    (`round_row_elems`, tested with its own term)."""
     _, stats = preset_stats["qwen3.6-27b"]
     assert stats.context_parallel_heads == 0 and preset_stats["glm-5.2"][1].context_parallel_heads == -1
     assert stats.round_kv_elems == 2 * 4 * 256 and preset_stats["glm-5.2"][1].round_kv_elems == 0
-    tokens, q, heads, kv = 8 * 4096, 24 * 256, 24, 2 * 4 * 256
-    # Gathered bf16 queries, keys and values; fp32 parts computed, packed, received.
-    forward = tokens * ((q + kv) * 2 + 3 * (q + heads) * 4)
-    # Gathered q | dout | out | lse | k | v in fp32, q cast, dq shares and key-value gradients computed and exchanged.
-    backward = tokens * ((3 * q + heads + kv) * 4 + q * 2 + 2 * (q + kv) * 4)
-    assert (round(forward / 1e9, 1), round(backward / 1e9, 1)) == (3.0, 5.2)
+    chunk_tokens, w, q, heads, kv = 4096, 8, 24 * 256, 24, 2 * 4 * 256
+    # Gathered bf16 queries, keys and values and the queries' permuted copy; fp32 parts computed, packed, received,
+    # and the merge's stack of the W + 1 parts and its weighted copy.
+    forward = chunk_tokens * (w * (2 * q + kv) * 2 + ((5 * w + 2) * q + 3 * w * heads) * 4)
+    # Gathered q | dout | out | lse | k | v in fp32 and its permuted copy, contiguous dout and out, dq shares,
+    # key-value gradients, this rank's packed rows, shares and key-value gradients sent and received; the queries cast
+    # back.
+    rows = 3 * q + heads
+    backward = chunk_tokens * (
+        (w * (rows + kv) + w * rows + 2 * w * q + w * q + w * kv + rows + 2 * w * (q + kv)) * 4 + w * q * 2
+    )
+    assert (round(forward / 1e9, 1), round(backward / 1e9, 1)) == (5.2, 10.6)
+    assert plan.context_parallel_exchange(stats, w, chunk_tokens, 2, autograd=False) == forward
+    assert plan.context_parallel_exchange(stats, w, chunk_tokens, 2, autograd=True) == backward
     setup = Setup(positions=500_000, gpus=8, shard_prompt_state=True, prefill_chunk_size=4096)
 
     def chunk(stats=stats, **changes):
         return _item(estimate(stats, replace(setup, **changes)), "chunk activations")
 
-    assert chunk() - chunk(shard_prompt_state=False) == backward
-    assert chunk(mode="detached") - chunk(mode="detached", shard_prompt_state=False) == forward
-    assert chunk(gpus=6) - chunk(gpus=6, shard_prompt_state=False) == backward * 6 // 8
+    wider = plan._reverse_mixer_bytes(stats, "linear_attention", 2, widened=True)
+    wider -= plan._reverse_mixer_bytes(stats, "linear_attention", 2)
+    for gpus in (8, 6):
+        exchange = plan.context_parallel_exchange(stats, gpus, chunk_tokens, 2, autograd=True)
+        others = 2 * (gpus - 1) * stats.state_fixed + plan.round_states_bytes(stats, gpus)
+        fp32_kept = chunk_tokens * stats.kept_attention[0] * 2
+        added = chunk(gpus=gpus) - chunk(gpus=gpus, shard_prompt_state=False)
+        assert added == exchange + chunk_tokens * wider + others + fp32_kept, gpus
+    prefill = max(
+        plan.prefill_bytes(stats, 2, chunk_tokens, widened=True),
+        plan.prefill_bytes(stats, 2, chunk_tokens, mixers=False) + forward,
+    )
+    assert chunk(mode="detached") == prefill + plan.round_states_bytes(stats, 8)
 
 
 def test_attention_reuse_switch_is_counted(preset_stats):
     """`reverse_attention_reuse=False` (`--no-attention-reuse`): the reverse pass keeps no attention outputs, so its
-    chunk activations drop by 16 full-attention layers x 24 heads x (256 bf16 + one fp32 log-sum-exp) per token, and
-    the longest prompt grows; the switch is suggested when the run does not fit."""
+    chunk activations drop by 16 full-attention layers x 24 heads x (256 + one log-sum-exp) per token, in fp32 in a
+    context-parallel round (a bf16 model), and the longest prompt grows; the switch is suggested when the run does not
+    fit."""
     _, stats = preset_stats["qwen3.6-27b"]
     setup = Setup(positions=500_000, gpus=8, shard_prompt_state=True, prefill_chunk_size=4096)
     kept = _item(estimate(stats, setup), "chunk activations")
     plain = _item(estimate(stats, replace(setup, attention_reuse=False)), "chunk activations")
     assert stats.kept_attention == (16 * 24 * 256, 16 * 24)
-    assert kept - plain == 4096 * 16 * 24 * (256 * 2 + 4)
+    assert kept - plain == 4096 * 16 * 24 * (256 * 4 + 4)
     assert largest_positions(stats, replace(setup, attention_reuse=False)) > largest_positions(stats, setup)
     detached = replace(setup, mode="detached")
     without = replace(detached, attention_reuse=False)
