@@ -646,11 +646,14 @@ def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int, widened: bool = F
     return (queries * stats.attention_heads * stats.head_dim + 2 * stats.kv_width) * b
 
 
-def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str, widened: bool = False) -> int | None:
+def reverse_bytes(
+    stats: ModelStats, compute_bytes: int, device: str, widened: bool = False, mixers: tuple[str, ...] = ()
+) -> int | None:
     """Bytes per chunk token of the exact-mode reverse pass (checkpointed, attention outputs kept) where it is
     itemized: dense models on CPU (see `REVERSE_CHUNK_RESIDUALS`). None elsewhere: the CUDA reverse pass and MoE
     models use the activation multiples (`ACTIVATION_MULTIPLES`). `widened`: on a later rank of a context-parallel
-    round, whose Gated DeltaNet layers run the widened delta rule (`REVERSE_WIDENED_VALUES`)."""
+    round, whose Gated DeltaNet layers run the widened delta rule (`REVERSE_WIDENED_VALUES`). `mixers`: the token
+    mixer kinds to take for the recomputed layer (default: those of the layers before the last)."""
     s, b = stats, compute_bytes
     if device != "cpu" or s.num_experts or not s.intermediate_size or not s.layer_kinds:
         return None
@@ -668,7 +671,7 @@ def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str, widened: b
     live = (
         REVERSE_LIVE_RESIDUALS * s.hidden_size * b
         + REVERSE_MLP_LIVE * s.intermediate_size * b
-        + max(_reverse_mixer_bytes(s, kind, b, widened) for kind in earlier or {last})
+        + max(_reverse_mixer_bytes(s, kind, b, widened) for kind in mixers or earlier or {last})
     )
     return chunk + live
 
@@ -1298,6 +1301,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         scored += f" + {_size(cp_exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
         if not widened:
             tiles, cp_exchange = tiles + cp_exchange, 0
+    if exact and state_parts > 1 and s.kept_attention[0] and s.layer_kinds and s.layer_kinds[-1] == "attention":
+        # A sharded pass runs the last layer's attention whole (its collectives need every rank:
+        # `Pass.outputs_unread`): the reverse pass's recompute of that layer keeps its query side, which the backward
+        # never consumes, until the chunk's backward ends (traced: 2-process CPU runs).
+        queries = REVERSE_ATTENTION_QUERY_TENSORS.get(s.model_type, REVERSE_ATTENTION_QUERY_TENSORS["llama"])
+        last = chunk * queries * s.attention_heads * s.head_dim * u.compute_bytes
+        tiles += last
+        scored += f" + {_size(last)} of the last layer's recomputed query side"
     if widened:
         # One DeltaNet layer's all-gather of every rank's final state and transition.
         gathered = round_states_bytes(s, state_parts)
@@ -1350,10 +1361,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             wider = _reverse_mixer_bytes(s, "linear_attention", u.compute_bytes, widened=True)
             wider -= _reverse_mixer_bytes(s, "linear_attention", u.compute_bytes)
             reverse_per_token += wider * (1 if checkpointed else s.layer_kinds.count("linear_attention"))
-        # With Gated DeltaNet layers the exchange is added to the widened rule's phase, an upper bound: the 2-process
-        # CPU runs peak between that and the attention layers' backward with their exchange alone
-        # (benchmarks/CALIBRATION.md's sharded rows).
         activations = chunk * reverse_per_token + tiles + cp_exchange
+        if cp_exchange and itemized is not None:
+            # With Gated DeltaNet layers the attention layers' exchange happens in their backward, beside their own
+            # saved tensors, not the widened rule's (traced): the larger of the two phases. The CUDA multiples, per
+            # layer of any kind, take the sum.
+            attention = reverse_bytes(s, u.compute_bytes, u.device, mixers=("attention",))
+            widened_phase = chunk * reverse_per_token + tiles
+            activations = max(widened_phase, chunk * (attention - reuse + allocated) + tiles + cp_exchange)
         items.append(
             Item(
                 "chunk activations",
