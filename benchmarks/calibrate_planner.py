@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/calibrate_planner.py            # both parts, writes benchmarks/CALIBRATION.md
     OMP_NUM_THREADS=1 python benchmarks/calibrate_planner.py --gpu-only  # only the GPU table (seconds, no model runs)
+    OMP_NUM_THREADS=1 python benchmarks/calibrate_planner.py --only qwen3_5 --sharded 8192  # 2 ranks, sharded state
 
 GPU: every training step that the GPU check measured (`benchmarks/gpu/gpu_results.jsonl`, real-width slices of
 Qwen3.6-27B, GLM-5.2 and Llama-3.1-70B on an H200, bf16 weights and gradients, no optimizer step) against the planner's
@@ -20,6 +21,11 @@ fragmentation (negative where allocated pages are never touched). The planner's 
 inventories' tensor counts (`plan.prefill_bytes`, `plan.reverse_bytes`) were read off `--trace` of the first widths
 (`CPU_WIDTHS`) and of the widths in `TRACED_WIDTHS`; the `CPU_HELD_OUT` cases were measured after. The measurements
 are stored in `calibration_cpu.json`; `--stored` rebuilds the tables from it with the current planner.
+
+Sharded (`--sharded P`): the same phases on each rank of a 2-process `torchrun` launch (gloo) with the prompt state
+sharded over both (`shard_prompt_state`: context-parallel rounds), measured by malloc's peak in all threads
+(`malloc_peak`; the profiler misses the frees of gloo's worker threads), against the planner's per-GPU prediction of
+the peak rank. `--trace FAMILY --sharded P` prints each rank's live allocations at its peaks.
 
 Target (issue 14): every prediction within 10% of the measured peak, and never more than 5% below it.
 """
