@@ -1301,14 +1301,6 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         scored += f" + {_size(cp_exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
         if not widened:
             tiles, cp_exchange = tiles + cp_exchange, 0
-    if exact and state_parts > 1 and s.kept_attention[0] and s.layer_kinds and s.layer_kinds[-1] == "attention":
-        # A sharded pass runs the last layer's attention whole (its collectives need every rank:
-        # `Pass.outputs_unread`): the reverse pass's recompute of that layer keeps its query side, which the backward
-        # never consumes, until the chunk's backward ends (traced: 2-process CPU runs).
-        queries = REVERSE_ATTENTION_QUERY_TENSORS.get(s.model_type, REVERSE_ATTENTION_QUERY_TENSORS["llama"])
-        last = chunk * queries * s.attention_heads * s.head_dim * u.compute_bytes
-        tiles += last
-        scored += f" + {_size(last)} of the last layer's recomputed query side"
     if widened:
         # One DeltaNet layer's all-gather of every rank's final state and transition.
         gathered = round_states_bytes(s, state_parts)
