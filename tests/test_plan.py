@@ -1199,7 +1199,7 @@ def test_malloc_peak_counts_frees_in_other_threads():
         return torch.ones(size // 4)
 
     peak, out = malloc_peak(one_then_another)
-    assert out.nbytes == size and size <= peak < 1.5 * size, peak
+    assert out.nbytes == size and 0.95 * size <= peak < 1.5 * size, peak
 
 
 def test_planner_is_calibrated_on_the_gpu_check():
