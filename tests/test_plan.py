@@ -336,40 +336,61 @@ def test_context_parallel_round_exchange_is_counted(preset_stats):
 
 def test_context_parallel_exchange_is_counted(preset_stats):
     """A context-parallel round (Qwen3.6-27B: 24 query heads and 4 key-value heads of 256, at W = 8 and chunks of 4096
-    in bf16) exchanges, for one attention layer at a time, the W * chunk queries, keys and values and fp32 partial
-    outputs of the round: forward 3.0 GB, backward (exact mode's reverse pass, with the earlier chunks' key and value
-    gradients) 5.2 GB, counted in the chunk activations; an unsharded state has none. A group of 6 ranks, which does
-    not divide the 16 DeltaNet key heads, is context-parallel too (the delta rule runs sequence-parallel). GLM-5.2's
-    rounds exchange MLA rows instead (`round_row_elems`, tested with its own term)."""
+    in bf16) exchanges, for one attention layer at a time, every rank's queries, keys and values and the fp32
+    partial outputs of the round (`plan.context_parallel_exchange`): forward 5.2 GB (at the final merge), backward
+    (exact mode's reverse pass, at the final all-to-all) 10.6 GB, counted in the chunk activations with the later
+    rank's widened delta rule, the round's gathered states and recurrent records, and the attention outputs it keeps
+    in fp32; an unsharded state has none. A group of 6 ranks, which does not divide the 16 DeltaNet key heads, is
+    context-parallel too (the delta rule runs sequence-parallel). GLM-5.2's rounds exchange MLA rows instead
+    (`round_row_elems`, tested with its own term)."""
     _, stats = preset_stats["qwen3.6-27b"]
     assert stats.context_parallel_heads == 0 and preset_stats["glm-5.2"][1].context_parallel_heads == -1
     assert stats.round_kv_elems == 2 * 4 * 256 and preset_stats["glm-5.2"][1].round_kv_elems == 0
-    tokens, q, heads, kv = 8 * 4096, 24 * 256, 24, 2 * 4 * 256
-    # Gathered bf16 queries, keys and values; fp32 parts computed, packed, received.
-    forward = tokens * ((q + kv) * 2 + 3 * (q + heads) * 4)
-    # Gathered q | dout | out | lse | k | v in fp32, q cast, dq shares and key-value gradients computed and exchanged.
-    backward = tokens * ((3 * q + heads + kv) * 4 + q * 2 + 2 * (q + kv) * 4)
-    assert (round(forward / 1e9, 1), round(backward / 1e9, 1)) == (3.0, 5.2)
+    chunk_tokens, w, q, heads, kv = 4096, 8, 24 * 256, 24, 2 * 4 * 256
+    # Gathered bf16 queries, keys and values and the queries' permuted copy; fp32 parts computed, packed, received,
+    # and the merge's stack of the W + 1 parts and its weighted copy.
+    forward = chunk_tokens * (w * (2 * q + kv) * 2 + ((5 * w + 2) * q + 3 * w * heads) * 4)
+    # Gathered q | dout | out | lse | k | v in fp32 and its permuted copy, contiguous dout and out, dq shares,
+    # key-value gradients, this rank's packed rows, shares and key-value gradients sent and received; the queries cast
+    # back.
+    rows = 3 * q + heads
+    backward = chunk_tokens * (
+        (w * (rows + kv) + w * rows + 2 * w * q + w * q + w * kv + rows + 2 * w * (q + kv)) * 4 + w * q * 2
+    )
+    assert (round(forward / 1e9, 1), round(backward / 1e9, 1)) == (5.2, 10.6)
+    assert plan.context_parallel_exchange(stats, w, chunk_tokens, 2, autograd=False) == forward
+    assert plan.context_parallel_exchange(stats, w, chunk_tokens, 2, autograd=True) == backward
     setup = Setup(positions=500_000, gpus=8, shard_prompt_state=True, prefill_chunk_size=4096)
 
     def chunk(stats=stats, **changes):
         return _item(estimate(stats, replace(setup, **changes)), "chunk activations")
 
-    assert chunk() - chunk(shard_prompt_state=False) == backward
-    assert chunk(mode="detached") - chunk(mode="detached", shard_prompt_state=False) == forward
-    assert chunk(gpus=6) - chunk(gpus=6, shard_prompt_state=False) == backward * 6 // 8
+    wider = plan._reverse_mixer_bytes(stats, "linear_attention", 2, widened=True)
+    wider -= plan._reverse_mixer_bytes(stats, "linear_attention", 2)
+    for gpus in (8, 6):
+        exchange = plan.context_parallel_exchange(stats, gpus, chunk_tokens, 2, autograd=True)
+        others = 2 * (gpus - 1) * stats.state_fixed + plan.round_states_bytes(stats, gpus)
+        fp32_kept = chunk_tokens * stats.kept_attention[0] * 2
+        added = chunk(gpus=gpus) - chunk(gpus=gpus, shard_prompt_state=False)
+        assert added == exchange + chunk_tokens * wider + others + fp32_kept, gpus
+    prefill = max(
+        plan.prefill_bytes(stats, 2, chunk_tokens, widened=True),
+        plan.prefill_bytes(stats, 2, chunk_tokens, mixers=False) + forward,
+    )
+    assert chunk(mode="detached") == prefill + plan.round_states_bytes(stats, 8)
 
 
 def test_attention_reuse_switch_is_counted(preset_stats):
     """`reverse_attention_reuse=False` (`--no-attention-reuse`): the reverse pass keeps no attention outputs, so its
-    chunk activations drop by 16 full-attention layers x 24 heads x (256 bf16 + one fp32 log-sum-exp) per token, and
-    the longest prompt grows; the switch is suggested when the run does not fit."""
+    chunk activations drop by 16 full-attention layers x 24 heads x (256 + one log-sum-exp) per token, in fp32 in a
+    context-parallel round (a bf16 model), and the longest prompt grows; the switch is suggested when the run does not
+    fit."""
     _, stats = preset_stats["qwen3.6-27b"]
     setup = Setup(positions=500_000, gpus=8, shard_prompt_state=True, prefill_chunk_size=4096)
     kept = _item(estimate(stats, setup), "chunk activations")
     plain = _item(estimate(stats, replace(setup, attention_reuse=False)), "chunk activations")
     assert stats.kept_attention == (16 * 24 * 256, 16 * 24)
-    assert kept - plain == 4096 * 16 * 24 * (256 * 2 + 4)
+    assert kept - plain == 4096 * 16 * 24 * (256 * 4 + 4)
     assert largest_positions(stats, replace(setup, attention_reuse=False)) > largest_positions(stats, setup)
     detached = replace(setup, mode="detached")
     without = replace(detached, attention_reuse=False)
@@ -897,6 +918,117 @@ def test_delta_rule_groups_follow_the_engine(monkeypatch):
         assert min(max(groups) * qwen3_5.DELTA_RULE_BLOCK, length) == plan.delta_rule_group(length, v_dim)
 
 
+def test_later_ranks_of_a_round_count_the_widened_delta_rule():
+    """A later rank of a qwen3_5 context-parallel round runs the delta rule on values widened by Dk zero columns
+    (`qwen3_5.segment_gated_delta_rule`): the planner's value-wide work tensors there are `(Dv + Dk) / Dv` times the
+    plain rule's, beside the widened values and the resumed output (reverse pass), and the no-grad prefill's delta rule
+    runs `Dv + Dk` wide. A sharded budget (2 GPUs) reports that rank, on CPU (inventories) and CUDA (the multiples plus
+    the widening); nothing changes for a model without Gated DeltaNet layers or for one process."""
+    b, heads, k_dim, v_dim = 4, 4, 32, 48
+    work = plan.delta_rule_value_work(heads, k_dim, v_dim)
+    assert plan.delta_rule_value_work(heads, k_dim, v_dim + k_dim) * v_dim == work * (v_dim + k_dim)
+    widths = dict(hidden_size=96, intermediate_size=160, num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+    gdn = dict(
+        linear_num_key_heads=2, linear_num_value_heads=heads, linear_key_head_dim=k_dim, linear_value_head_dim=v_dim
+    )
+    _, qwen = _tiny_stats(
+        "qwen3_5",
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        **widths,
+        **gdn,
+    )
+    assert qwen.delta_rule == (heads, k_dim, v_dim, 2 * 2 * k_dim + heads * v_dim)
+    plain, wide = (plan._reverse_mixer_bytes(qwen, "linear_attention", b, w) for w in (False, True))
+    beside = heads * ((v_dim + k_dim) * b + v_dim * 4)  # the widened values, the resumed output
+    wider = plan.delta_rule_value_work(heads, k_dim, v_dim + k_dim) - work + beside
+    assert wide - plain == wider > 0
+    assert plan.reverse_bytes(qwen, b, "cpu", widened=True) - plan.reverse_bytes(qwen, b, "cpu") == wider
+    chunk = 1024
+    assert plan.prefill_bytes(qwen, b, chunk, widened=True) - plan.prefill_bytes(qwen, b, chunk) == chunk * (
+        heads * (v_dim + k_dim) * b
+    ) + plan.delta_rule_prefill_bytes(chunk, heads, k_dim, v_dim + k_dim) - plan.delta_rule_prefill_bytes(
+        chunk, heads, k_dim, v_dim
+    )
+    assert plan.delta_rule_prefill_bytes(chunk, heads, k_dim, v_dim + k_dim) > plan.delta_rule_prefill_bytes(
+        chunk, heads, k_dim, v_dim
+    )
+    # A sharded budget: the later rank's chunk activations, next to the same step in one process. The widened rule
+    # and an attention layer's exchange never coexist: the exchange goes beside the MLP phase (prefill) or the
+    # attention layer's graph (CPU reverse); the CUDA multiples, per layer of any kind, take both.
+    one = Setup(positions=20 * chunk, prefill_chunk_size=chunk, gpus=1, compute_bytes=b, fsdp=False)
+    two = replace(one, gpus=2, shard_prompt_state=True)
+    gathered = plan.round_states_bytes(qwen, 2)
+    assert gathered == 2 * heads * k_dim * (v_dim + k_dim) * 4
+    for device in ("cpu", "cuda"):
+        for mode in ("exact", "detached"):
+            exact = mode == "exact"
+            single, sharded = (estimate(qwen, replace(u, mode=mode, device=device)) for u in (one, two))
+            exchange = plan.context_parallel_exchange(qwen, 2, chunk, b, autograd=exact)
+            records = 2 * qwen.state_fixed if exact else 0  # the other chunk's recomputed records and zero seeds
+            tiles = plan.score_tiles(qwen, b, chunk, autograd=exact, device=device) + gathered + records
+            if exact and device == "cuda":  # the multiples take the exchange and the widening
+                expected = _item(single, "chunk activations") + chunk * wider + exchange + gathered + records
+            elif exact:  # the larger of the widened rule's phase and an attention layer's backward with its exchange
+                attention = plan.reverse_bytes(qwen, b, device, mixers=("attention",))
+                widened = chunk * plan.reverse_bytes(qwen, b, device, widened=True) + tiles
+                expected = max(widened, chunk * attention + tiles + exchange)
+                assert widened - _item(single, "chunk activations") == chunk * wider + gathered + records
+            else:
+                widened = plan.prefill_bytes(qwen, b, chunk, widened=True) + tiles
+                expected = max(widened, plan.prefill_bytes(qwen, b, chunk, mixers=False) + tiles + exchange)
+            assert _item(sharded, "chunk activations") == expected, (device, mode)
+            assert "widened by Dk" in [i for i in sharded.items if i.name == "chunk activations"][0].detail
+    # No Gated DeltaNet layer: no widening.
+    _, llama = _tiny_stats("llama", num_hidden_layers=2, **widths)
+    assert plan.prefill_bytes(llama, b, chunk, widened=True) == plan.prefill_bytes(llama, b, chunk)
+    assert plan.reverse_bytes(llama, b, "cpu", widened=True) == plan.reverse_bytes(llama, b, "cpu")
+    sharded = estimate(llama, replace(two, device="cpu"))
+    assert "widened" not in [i for i in sharded.items if i.name == "chunk activations"][0].detail
+    # A round's attention keeps its output for the recompute in the accumulation dtype: fp32 for a bf16 model.
+    outputs, lses = llama.kept_attention
+    for u, width in ((one, 2), (two, 4)):
+        u = replace(u, compute_bytes=2)
+        kept = _item(estimate(llama, u), "chunk activations")
+        kept -= _item(estimate(llama, replace(u, attention_reuse=False)), "chunk activations")
+        assert kept == chunk * (outputs * width + lses * 4), width
+
+
+def test_widened_delta_rule_prefill_matches_the_allocated_peak():
+    """The no-grad delta rule's count (`plan.delta_rule_prefill_bytes`: plain, and widened by Dk with the widened
+    values beside it) against the peak that PyTorch's CPU allocator reaches in `torch_gated_delta_rule` and in
+    `segment_gated_delta_rule` + `resume_gated_delta_rule` (a later rank of a round), at widths where each of the
+    rule's moments is the larger: within 10% above and 5% below."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from calibrate_planner import allocated_peak
+
+    from trl_longstraw import qwen3_5
+
+    g = torch.Generator().manual_seed(0)
+    t = 1024
+    for k_heads, heads, k_dim, v_dim in ((2, 4, 32, 32), (1, 2, 64, 96), (1, 2, 128, 128)):
+        inputs = (
+            torch.randn(1, t, k_heads, k_dim, generator=g),
+            torch.randn(1, t, k_heads, k_dim, generator=g),
+            torch.randn(1, t, heads, v_dim, generator=g),
+            -torch.rand(1, t, heads, generator=g),
+            torch.rand(1, t, heads, generator=g),
+        )
+        start = torch.randn(1, heads, k_dim, v_dim, generator=g)
+
+        def later(inputs=inputs, start=start):
+            out, carry, _, _ = qwen3_5.segment_gated_delta_rule(*inputs)
+            return qwen3_5.resume_gated_delta_rule(out, carry, start)
+
+        with torch.no_grad():
+            plain, _ = allocated_peak(functools.partial(qwen3_5.gated_delta_rule, *inputs, start))
+            widened, _ = allocated_peak(later)
+        predicted = plan.delta_rule_prefill_bytes(t, heads, k_dim, v_dim)
+        assert 0.95 <= predicted / plain <= 1.10, ("plain", k_dim, v_dim, predicted, plain)
+        predicted = plan.delta_rule_prefill_bytes(t, heads, k_dim, v_dim + k_dim) + t * heads * (v_dim + k_dim) * 4
+        assert 0.95 <= predicted / widened <= 1.10, ("widened", k_dim, v_dim, predicted, widened)
+
+
 def test_dsa_selection_buffers_are_counted(preset_stats):
     """GLM-5.2's top-k selection keeps each query's running candidates (2,048 kept + a block of at most 32,768 keys,
     fp32 scores and int64 numbers) and one fp32 indexer score tile of at most 2^26 elements."""
@@ -1046,6 +1178,28 @@ def test_cpu_inventories_match_the_allocated_peaks():
             budget = predict(config, p, 1, 1, chunk, mode, 4, device="cpu")
             predicted = sum(_item(budget, n) for n in ("prompt state", "prompt state gradient", "chunk activations"))
             assert 0.95 <= predicted / peak <= 1.10, (family, mode, predicted, peak)
+
+
+def test_malloc_peak_counts_frees_in_other_threads():
+    """`calibrate_planner.malloc_peak` (the sharded rows' measure) sees an allocation, and a tensor freed by another
+    thread (as gloo's workers drop collectives' tensors) no longer counts: two 32 MiB tensors one after the other,
+    the first released in a thread, peak at one of them, not two."""
+    import threading
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from calibrate_planner import malloc_peak
+
+    size = 32 * 2**20
+
+    def one_then_another():
+        first = [torch.ones(size // 4)]
+        thread = threading.Thread(target=first.clear)
+        thread.start()
+        thread.join()
+        return torch.ones(size // 4)
+
+    peak, out = malloc_peak(one_then_another)
+    assert out.nbytes == size and 0.95 * size <= peak < 1.5 * size, peak
 
 
 def test_planner_is_calibrated_on_the_gpu_check():

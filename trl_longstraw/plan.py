@@ -301,23 +301,29 @@ def context_parallel_heads(config) -> int:
 
 def context_parallel_exchange(stats: ModelStats, world: int, chunk: int, compute_bytes: int, autograd: bool) -> int:
     """Transient bytes of one attention layer's exchange in a context-parallel round of `world` chunks of `chunk`
-    tokens (`sharding._ShardedPrefixAttention`), on each rank.
+    tokens (`sharding._ShardedPrefixAttention`), on each rank: what its forward (prefill) or backward (`autograd`,
+    the exact-mode reverse pass, whose forward's buffers are freed by then) holds at its peak, beyond the layer's own
+    tensors. Counted from the code at the moments that traces of 2-process CPU runs show as the peaks
+    (`benchmarks/calibrate_planner.py --trace FAMILY --sharded P`), per token of this rank's chunk, `W = world`, and
+    checked against those runs' peaks (benchmarks/CALIBRATION.md's sharded rows):
 
-    Forward: every rank's queries, keys and values gathered (compute dtype), and the fp32 partial outputs and
-    log-sum-exps of the queries against this rank's chunks (computed, packed, received: three copies). Backward
-    (`autograd`, the exact-mode reverse pass; its forward's buffers are freed by then): every rank's queries, output
-    gradients, outputs, log-sum-exps, keys and values gathered in fp32, the queries cast back, and the fp32
-    query-gradient shares with the earlier chunks' key and value gradients (computed, exchanged).
+    - forward, at the final merge: every rank's queries, keys and values gathered (`W (q + kv)`, compute dtype) and
+      the gathered queries' permuted copy (`W q`); in fp32, the partial outputs and log-sum-exps of every rank's
+      queries against this rank's chunks (`W (out + h)`), packed and received (twice more), the merge's stack of the
+      own and received parts and its weighted copy (`2 (W + 1) out`);
+    - backward, at the final all-to-all: in fp32, every rank's queries, output gradients, outputs, log-sum-exps, keys
+      and values gathered (`W (q + 2 out + h + kv)`) and their permuted copy without the keys (`W (q + 2 out + h)`),
+      the contiguous output gradients and outputs (`2 W out`), the query-gradient shares (`W q`) and the earlier
+      chunks' key and value gradients (`W kv`), this rank's packed rows (`q + 2 out + h`), the shares and key-value
+      gradients sent and received (`2 W (q + kv)`); the gathered queries cast back (`W q`, compute dtype).
     """
-    queries, outputs = stats.query_exchange
-    heads, kv = stats.attention_heads, stats.round_kv_elems
-    tokens = world * chunk
-    forward = tokens * ((queries + kv) * compute_bytes + 3 * (outputs + heads) * 4)
+    q, out = stats.query_exchange
+    h, kv, w, b = stats.attention_heads, stats.round_kv_elems, world, compute_bytes
     if not autograd:
-        return forward
-    gathered = (queries + 2 * outputs + heads + kv) * 4 + queries * compute_bytes
-    backward = tokens * (gathered + 2 * (queries + kv) * 4)
-    return max(forward, backward)
+        return chunk * (w * (2 * q + kv) * b + ((5 * w + 2) * out + 3 * w * h) * 4)
+    rows = q + 2 * out + h
+    backward = w * (rows + kv) + w * rows + 2 * w * out + w * q + w * kv + rows + 2 * w * (q + kv)
+    return chunk * (backward * 4 + w * q * b)
 
 
 # ------------------------------------------------------------------------------------------------------- model
@@ -479,17 +485,24 @@ def dsa_bytes(stats: ModelStats, queries: int, keys: int, autograd: bool, device
 #   value head. Without autograd the delta rule converts its inputs and builds its block terms group by group, a
 #   group being `delta_rule_group` tokens (whole blocks of 64 positions, about `T * Dv / 64`): these scale with the
 #   group, not the chunk. Their peak is the larger of:
-#   - a group's intra-block scores: the group's inputs (`DELTA_RULE_KEY_VECTORS` `[Dk]`: the fp32 query and key,
-#     the L2-normed key, the scaled query, k_beta; `DELTA_RULE_VALUE_VECTORS` `[Dv]`: v_beta) and
-#     `DELTA_RULE_BLOCK_MATRICES` `[block, block]` per block (decays, UT system, scores); from the second group on,
-#     also the previous group's terms, which the scan's loop variables keep (`DELTA_RULE_TERMS`: decayed query and
-#     key, k_cumdecay `[Dk]`, new values `[Dv]`, the intra-block scores), and the earlier groups' block outputs
-#     `[Dv]` per token (the largest over the groups: the last one may be shorter);
+#   - a group's intra-block terms: the group's inputs (`DELTA_RULE_KEY_VECTORS` `[Dk]`: the fp32 query and key, the
+#     L2-normed key, the scaled query, k_beta; `DELTA_RULE_VALUE_VECTORS` `[Dv]`: v_beta) and either
+#     `DELTA_RULE_BLOCK_MATRICES` `[block, block]` per block (decays, UT system, scores) or, the larger moments where
+#     `Dv > block` or `Dk + Dv > 2 block`, the UT solve's new values `[Dv]` beside two of them
+#     (`DELTA_RULE_SOLVE_MATRICES`), then beside the decayed key `[Dk]` and the scores alone; from the second group on,
+#     also the previous group's terms, which the scan's loop variables keep (`DELTA_RULE_TERMS`: decayed query and key,
+#     k_cumdecay `[Dk]`, new values `[Dv]`, the intra-block scores), and the earlier groups' block outputs `[Dv]` per
+#     token (the largest over the groups: the last one may be shorter);
 #   - the final stack: the block outputs and their stack `[Dv]` per chunk token, and the last group's terms.
+# On a later rank of a context-parallel round (`qwen3_5._round_core`) the rule runs on values widened by `Dk` zero
+# columns `[T, Hv, Dv + Dk]` (`segment_gated_delta_rule`): the same work tensors with `Dv + Dk` for `Dv` (groups
+# included), and the widened values themselves in the compute dtype (traced: `segment_gated_delta_rule` alone, the
+# no-grad peak within 1.5% of this count at `Dk = Dv = 32`, `Dk = 64, Dv = 96` and `Dk = Dv = 128`, widened or not).
 PREFILL_RESIDUAL_TENSORS = 4
 PREFILL_MLP_TENSORS = 3
 DELTA_RULE_RESIDUAL_TENSORS = 3
 DELTA_RULE_KEY_VECTORS, DELTA_RULE_VALUE_VECTORS, DELTA_RULE_BLOCK_MATRICES = 5, 1, 3
+DELTA_RULE_SOLVE_MATRICES = 2
 DELTA_RULE_TERMS = (3, 1, 1)  # `([Dk] vectors, [Dv] vectors, block matrices)` of one group's block terms
 
 
@@ -513,18 +526,30 @@ def delta_rule_prefill_bytes(chunk: int, heads: int, k_dim: int, v_dim: int) -> 
     key, value, blocks = DELTA_RULE_TERMS
     terms = key * k_dim + value * v_dim + blocks * DELTA_RULE_BLOCK
     inputs = DELTA_RULE_KEY_VECTORS * k_dim + DELTA_RULE_VALUE_VECTORS * v_dim
-    peak = sizes[0] * (inputs + DELTA_RULE_BLOCK_MATRICES * DELTA_RULE_BLOCK)
+    # Per token of a group, the largest of three moments of its intra-block terms: before the UT solve, after it (the
+    # new values beside two block matrices), and after the decays (also the decayed key, the scores alone left).
+    within = inputs + max(
+        DELTA_RULE_BLOCK_MATRICES * DELTA_RULE_BLOCK,
+        v_dim + DELTA_RULE_SOLVE_MATRICES * DELTA_RULE_BLOCK,
+        k_dim + v_dim + DELTA_RULE_BLOCK,
+    )
+    peak = sizes[0] * within
     for i in range(1, len(sizes)):
-        # The group's scores, the previous group's terms and the earlier groups' block outputs.
-        scores = sizes[i] * (inputs + DELTA_RULE_BLOCK_MATRICES * DELTA_RULE_BLOCK)
-        peak = max(peak, scores + sizes[i - 1] * terms + sum(sizes[:i]) * v_dim)
+        # The group's terms, the previous group's terms and the earlier groups' block outputs.
+        peak = max(peak, sizes[i] * within + sizes[i - 1] * terms + sum(sizes[:i]) * v_dim)
     stack = 2 * chunk * v_dim + sizes[-1] * terms
     return heads * 4 * max(peak, stack)
 
 
-def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | None:
+def prefill_bytes(
+    stats: ModelStats, compute_bytes: int, chunk: int, widened: bool = False, mixers: bool = True
+) -> int | None:
     """Bytes of the no-grad prefill of a `chunk`-token chunk (see `PREFILL_RESIDUAL_TENSORS`), or None for MoE
-    models, whose routed experts' dispatch buffers are not itemized (`ACTIVATION_MULTIPLES` covers them)."""
+    models, whose routed experts' dispatch buffers are not itemized (`ACTIVATION_MULTIPLES` covers them).
+
+    `widened`: on a later rank of a context-parallel round, whose Gated DeltaNet layers run the delta rule on values
+    widened to `[chunk, Hv, Dv + Dk]` (`qwen3_5.segment_gated_delta_rule`); no effect on a model without them.
+    `mixers=False`: the gated MLP's phase alone (without the Gated DeltaNet's)."""
     if stats.num_experts or not stats.intermediate_size:
         return None
     s, b = stats, compute_bytes
@@ -536,10 +561,20 @@ def prefill_bytes(stats: ModelStats, compute_bytes: int, chunk: int) -> int | No
     unwritten = 2 * s.kv_width * b if s.layer_kinds and s.layer_kinds[-1] == "attention" else 0
     peak = chunk * (residuals * s.hidden_size + PREFILL_MLP_TENSORS * s.intermediate_size) * b
     heads, k_dim, v_dim, conv_dim = s.delta_rule
-    if heads:
+    if heads and mixers:
         projections = chunk * (DELTA_RULE_RESIDUAL_TENSORS * s.hidden_size + 2 * conv_dim + heads * v_dim) * b
-        peak = max(peak, projections + delta_rule_prefill_bytes(chunk, heads, k_dim, v_dim))
+        width = v_dim + k_dim if widened else v_dim
+        if widened:  # the widened values, beside the projections they come from
+            projections += chunk * heads * width * b
+        peak = max(peak, projections + delta_rule_prefill_bytes(chunk, heads, k_dim, width))
     return rope + peak - chunk * unwritten
+
+
+def round_states_bytes(stats: ModelStats, world: int) -> int:
+    """Bytes of the all-gather of every rank's final state and transition `[W, Hv, Dk, Dv + Dk]` fp32 that one Gated
+    DeltaNet layer of a context-parallel round of `world` ranks holds (`qwen3_5._round_core`); 0 without one."""
+    heads, k_dim, v_dim, _ = stats.delta_rule
+    return world * heads * k_dim * (v_dim + k_dim) * 4
 
 
 # The exact-mode reverse pass of a dense model on CPU, checkpointed with the attention outputs kept (the defaults),
@@ -570,29 +605,55 @@ REVERSE_MLP_LIVE = 6
 # query, the gate's sigmoid and the gated output). Model types without an entry use llama's.
 REVERSE_ATTENTION_QUERY_TENSORS = {"llama": 2, "qwen3_5_text": 7, "qwen3_5": 7}
 REVERSE_DELTA_RULE = dict(conv=3, value=8, key=12, blocks=5, scalars=10)
+# A later rank of a context-parallel round (`qwen3_5._round_core`) runs the rule on values widened by `Dk` zero columns
+# (`segment_gated_delta_rule`), with autograd: of its saved `[T, Hv, Dv]` fp32 tensors, `REVERSE_WIDENED_VALUES` are
+# `Dv + Dk` wide there (the new values, the per-block new values, and the rule's output, which the carry's view keeps
+# for the resume), and so is the state after each block; beside them the widened values `[T, Hv, Dv + Dk]` (compute
+# dtype) and the resumed output `[T, Hv, Dv]` fp32 (traced: `segment_gated_delta_rule` and `resume_gated_delta_rule`
+# against `torch_gated_delta_rule`, what the graph keeps after the forward at `Dk = 48, Dv = 24`: the count exactly).
+REVERSE_WIDENED_VALUES = 3
 
 
-def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int) -> int:
+def delta_rule_value_work(heads: int, k_dim: int, width: int) -> int:
+    """Per token, bytes of the delta rule's value-wide fp32 tensors that its graph keeps (`REVERSE_WIDENED_VALUES`
+    `[Hv, width]` and the state after each block, `[Hv, Dk, width]` per `DELTA_RULE_BLOCK` tokens): `width` is `Dv`,
+    or `Dv + Dk` on a later rank of a context-parallel round."""
+    from .qwen3_5 import DELTA_RULE_BLOCK
+
+    return heads * (REVERSE_WIDENED_VALUES * width * DELTA_RULE_BLOCK + k_dim * width) * 4 // DELTA_RULE_BLOCK
+
+
+def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int, widened: bool = False) -> int:
     """Per chunk token, the saved tensors of one recomputed token mixer (`kind`: "attention" or "linear_attention")
-    in the CPU reverse pass (see `REVERSE_CHUNK_RESIDUALS`)."""
+    in the CPU reverse pass (see `REVERSE_CHUNK_RESIDUALS`); `widened`: a Gated DeltaNet's on a later rank of a
+    context-parallel round (see `REVERSE_WIDENED_VALUES`), whose value-wide work tensors are `(Dv + Dk) / Dv` times
+    the plain rule's (`delta_rule_value_work`), beside the widened values and the resumed output."""
     from .qwen3_5 import DELTA_RULE_BLOCK
 
     if kind == "linear_attention":
         heads, k_dim, v_dim, conv_dim = stats.delta_rule
         c = REVERSE_DELTA_RULE
-        return (
+        rest = c["value"] - REVERSE_WIDENED_VALUES  # z, its gate, the gated norm's three
+        base = (
             c["conv"] * conv_dim * b
-            + heads * (c["value"] * v_dim + c["key"] * k_dim + c["blocks"] * DELTA_RULE_BLOCK + c["scalars"]) * 4
-            + heads * k_dim * v_dim * 4 // DELTA_RULE_BLOCK
+            + heads * (rest * v_dim + c["key"] * k_dim + c["blocks"] * DELTA_RULE_BLOCK + c["scalars"]) * 4
         )
+        if not widened:
+            return base + delta_rule_value_work(heads, k_dim, v_dim)
+        beside = heads * ((v_dim + k_dim) * b + v_dim * 4)
+        return base + delta_rule_value_work(heads, k_dim, v_dim + k_dim) + beside
     queries = REVERSE_ATTENTION_QUERY_TENSORS.get(stats.model_type, REVERSE_ATTENTION_QUERY_TENSORS["llama"])
     return (queries * stats.attention_heads * stats.head_dim + 2 * stats.kv_width) * b
 
 
-def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str) -> int | None:
+def reverse_bytes(
+    stats: ModelStats, compute_bytes: int, device: str, widened: bool = False, mixers: tuple[str, ...] = ()
+) -> int | None:
     """Bytes per chunk token of the exact-mode reverse pass (checkpointed, attention outputs kept) where it is
     itemized: dense models on CPU (see `REVERSE_CHUNK_RESIDUALS`). None elsewhere: the CUDA reverse pass and MoE
-    models use the activation multiples (`ACTIVATION_MULTIPLES`)."""
+    models use the activation multiples (`ACTIVATION_MULTIPLES`). `widened`: on a later rank of a context-parallel
+    round, whose Gated DeltaNet layers run the widened delta rule (`REVERSE_WIDENED_VALUES`). `mixers`: the token
+    mixer kinds to take for the recomputed layer (default: those of the layers before the last)."""
     s, b = stats, compute_bytes
     if device != "cpu" or s.num_experts or not s.intermediate_size or not s.layer_kinds:
         return None
@@ -610,7 +671,7 @@ def reverse_bytes(stats: ModelStats, compute_bytes: int, device: str) -> int | N
     live = (
         REVERSE_LIVE_RESIDUALS * s.hidden_size * b
         + REVERSE_MLP_LIVE * s.intermediate_size * b
-        + max(_reverse_mixer_bytes(s, kind, b) for kind in earlier or {last})
+        + max(_reverse_mixer_bytes(s, kind, b, widened) for kind in mixers or earlier or {last})
     )
     return chunk + live
 
@@ -1007,6 +1068,10 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     graph (a completion replayed with autograd), one chunk's activations (the exact-mode reverse pass, or the no-grad
     prefill), generation's decode tail (this GPU's rows' decoded tokens against the prompt state), or TRL's copies of
     the batch (concatenations, shuffle): those never coexist. The batch itself (ids and masks) is held throughout.
+
+    With a sharded state whose prompt passes are context-parallel rounds, the GPU is the one with the largest peak: a
+    later rank of a round, which also holds the round's exchanges and, for Gated DeltaNet layers, runs the delta rule
+    on values widened by Dk (`qwen3_5.segment_gated_delta_rule`) and holds the round's recurrent records.
     """
     s, u = stats, setup
     exact = u.mode == "exact"
@@ -1223,12 +1288,34 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             " or sparse attention" if u.device == "cpu" else ""
         )
     heads = s.context_parallel_heads
-    if state_parts > 1 and (heads == 0 or (heads > 0 and heads % state_parts == 0)):
+    context_parallel = state_parts > 1 and (heads == 0 or (heads > 0 and heads % state_parts == 0))
+    # The rank whose peak this is: a later rank of a context-parallel round, whose Gated DeltaNet layers run the delta
+    # rule on values widened by Dk zero columns (`qwen3_5.segment_gated_delta_rule`); the first runs the plain one.
+    widened = context_parallel and s.delta_rule[0] > 0
+    # The attention layers' exchange of a context-parallel round, when it is not simply added to the chunk's phase.
+    cp_exchange = 0
+    if context_parallel:
         # Context-parallel prompt passes: each rank runs its own chunk of a round, and one attention layer at a
         # time exchanges the round's queries and partial outputs.
-        exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
-        tiles += exchange
-        scored += f" + {_size(exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
+        cp_exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
+        scored += f" + {_size(cp_exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
+        if not widened:
+            tiles, cp_exchange = tiles + cp_exchange, 0
+    if widened:
+        # One DeltaNet layer's all-gather of every rank's final state and transition.
+        gathered = round_states_bytes(s, state_parts)
+        tiles += gathered
+        scored += f" + {_size(gathered)} of one DeltaNet layer's gathered round states and transitions"
+        if exact and s.state_fixed:
+            # The reverse pass's recompute of a round emits the recurrent records of each of its chunks on every rank
+            # (`Pass.emit_round`), and seeds the backward with zeros for the W - 1 of them without a gradient here;
+            # one process keeps its chunk's record only.
+            records = 2 * (state_parts - 1) * s.state_fixed
+            tiles += records
+            scored += (
+                f" + {_size(records)} of the round's other {state_parts - 1} chunks' recomputed recurrent records "
+                "and their zero gradients"
+            )
     if state_parts > 1 and s.round_row_elems:
         # A context-parallel round of MLA + DSA: every rank's chunk rows (with their gradient in the reverse pass),
         # and the branch-round exchange of the prefix for one layer, in slices of gathered queries.
@@ -1244,10 +1331,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     if exact:
         checkpointed = u.gradient_checkpointing and u.reverse_checkpointing
         reuse = kept if checkpointed and u.attention_reuse else 0
-        itemized = reverse_bytes(s, u.compute_bytes, u.device) if reuse else None
+        itemized = reverse_bytes(s, u.compute_bytes, u.device, widened) if reuse else None
         # With `prefill_attention_reuse` the chunk's kept outputs are the prefill's, which the reverse pass takes
         # instead of allocating its own: counted once, in "prefill attention outputs" (every prompt token's).
         allocated = 0 if u.prefill_attention_reuse and not u.shard_prompt_state else reuse
+        if allocated and context_parallel:
+            # A round's attention (`sharding._ShardedPrefixAttention`) keeps its output in the accumulation dtype
+            # (fp32 for a bf16 model), where one process's fused path keeps it in the compute dtype.
+            allocated += s.kept_attention[0] * (max(u.compute_bytes, 4) - u.compute_bytes)
         if itemized is not None:
             # The CPU reverse pass's own inventory (`reverse_bytes`), attention outputs included.
             reverse_per_token = itemized - reuse + allocated
@@ -1256,14 +1347,30 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             reverse_per_token = graph_per_token + allocated
         else:
             reverse_per_token = int(autograd * s.total_activation_elems * u.compute_bytes)
+        if widened and itemized is None:
+            # The activation multiples cover the plain rule: add what the widened one keeps beyond it, in the one
+            # recomputed layer (checkpointed) or in every DeltaNet layer.
+            wider = _reverse_mixer_bytes(s, "linear_attention", u.compute_bytes, widened=True)
+            wider -= _reverse_mixer_bytes(s, "linear_attention", u.compute_bytes)
+            reverse_per_token += wider * (1 if checkpointed else s.layer_kinds.count("linear_attention"))
+        activations = chunk * reverse_per_token + tiles + cp_exchange
+        if cp_exchange and itemized is not None:
+            # With Gated DeltaNet layers the attention layers' exchange happens in their backward, beside their own
+            # saved tensors, not the widened rule's (traced): the larger of the two phases. The CUDA multiples, per
+            # layer of any kind, take the sum.
+            attention = reverse_bytes(s, u.compute_bytes, u.device, mixers=("attention",))
+            widened_phase = chunk * reverse_per_token + tiles
+            activations = max(widened_phase, chunk * (attention - reuse + allocated) + tiles + cp_exchange)
         items.append(
             Item(
                 "chunk activations",
-                chunk * reverse_per_token + tiles,
+                activations,
                 f"{chunk:,} tokens x {_size(reverse_per_token)} (reverse pass, with autograd"
                 + (", CPU inventory" if itemized is not None else "")
+                + (", a later rank of a round: its delta rule on values widened by Dk" if widened else "")
                 + (
-                    ", attention outputs kept for the recompute)"
+                    ", attention outputs kept for the recompute"
+                    + (" in fp32)" if context_parallel and u.compute_bytes < 4 else ")")
                     if allocated
                     else ", the prefill's attention outputs kept for the recompute)"
                     if reuse
@@ -1275,14 +1382,21 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             )
         )
     else:
-        forward = prefill_bytes(s, u.compute_bytes, chunk)
+        forward = prefill_bytes(s, u.compute_bytes, chunk, widened)
         if forward is None:
             forward = chunk * int(no_grad * s.layer_activation_elems * u.compute_bytes)
+        activations = forward + tiles
+        if cp_exchange:
+            # The Gated DeltaNet phase and an attention layer's exchange never coexist: the exchange goes beside the
+            # gated MLP's phase (which the attention layer's own tensors stay below).
+            mlp = prefill_bytes(s, u.compute_bytes, chunk, mixers=False)
+            activations = max(activations, mlp + tiles + cp_exchange)
+        later = ", a later rank of a round: its delta rule on values widened by Dk" if widened else ""
         items.append(
             Item(
                 "chunk activations",
-                forward + tiles,
-                f"{chunk:,} tokens x {_size(forward // chunk)} (no-grad prefill, one layer at a time){scored}",
+                activations,
+                f"{chunk:,} tokens x {_size(forward // chunk)} (no-grad prefill, one layer at a time{later}){scored}",
                 phase="activations",
             )
         )
