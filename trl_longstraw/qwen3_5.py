@@ -39,9 +39,19 @@ its inputs chunk by chunk; autograd turns both into full-size buffers per chunk,
 with the length of the forward. `torch_gated_delta_rule` below is the same algorithm with `unbind`/`stack`, whose
 backward is linear, so the cost of exact mode is linear in the prompt length for any chunk size. Without autograd
 (prefill, scoring) it builds its within-block `[B, H, n, 64, 64]` terms for groups of blocks no larger than the
-chunk's values, so a chunk's transient memory stays that of its inputs (same bits as building them at once). On CUDA,
-when `fla` is installed (the `[cuda]` extra), flash-linear-attention's kernels run the delta rule for bf16 or fp16
-inputs (it rejects fp32) and the causal conv, both from the recorded state and both differentiable in it.
+chunk's values, so a chunk's transient memory stays that of its inputs (same bits as building them at once).
+
+When autograd records (the chunk forwards of exact mode's reverse pass), the torch path runs
+`hand_backward_gated_delta_rule`: the same rule as an autograd Function with a hand-written backward
+(`_DeltaRuleFunction`), the decomposition of fla's chunked backward (per-block states kept, a reverse scan of the
+state's gradient, everything else for all blocks at once) in plain torch operations. fla's own kernels need CUDA and
+Triton; on CPU, autograd through `torch_gated_delta_rule` records some ten small operations per 64-token block and
+runs twice as many in backward, while the Function runs three each way and saves only its inputs and the per-block
+states. `torch_gated_delta_rule` stays as the plain reference (tests/test_gdn_backward.py compares outputs and every
+input gradient).
+
+On CUDA, when `fla` is installed (the `[cuda]` extra), flash-linear-attention's kernels run the delta rule for bf16 or
+fp16 inputs (it rejects fp32) and the causal conv, both from the recorded state and both differentiable in it.
 """
 
 from __future__ import annotations
@@ -270,34 +280,39 @@ def _from_blocks(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
 
 
 def _delta_rule_terms(query, key, value, g, beta, low) -> types.SimpleNamespace:
-    """The within-block terms of `_DeltaRuleFunction` for every block at once, `[N, B * H, block, ...]` (the
-    mathematics and operations of `_blocked` and `_block_terms`; the two triangular solves as one, their right-hand
+    """The within-block terms of `_DeltaRuleFunction` for every block at once, `[N, B * H, block, ...]`: the
+    mathematics and operations of `_blocked` and `_block_terms` (the two triangular solves as one, their right-hand
     sides side by side). Inputs as `_DeltaRuleFunction` takes them."""
     block, k_dim = DELTA_RULE_BLOCK, key.shape[-1]
-    t = types.SimpleNamespace()
+    t = types.SimpleNamespace(q=None, q_d=None, intra=None)
     t.k, t.v, t.beta, g = (_to_blocks(x, block) for x in (key, value, beta, g))
-    t.q = None if query is None else _to_blocks(query, block) * k_dim**-0.5
     t.k_beta = t.k * t.beta.unsqueeze(-1)
     v_beta = t.v * t.beta.unsqueeze(-1)
-    t.cum = g.cumsum(dim=-1)
-    t.cum_exp = t.cum.exp().unsqueeze(-1)
-    upper = torch.ones(block, block, dtype=torch.bool, device=key.device).triu(1)
-    t.pairwise = (t.cum.unsqueeze(-1) - t.cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    t.kk = _matmul(t.k_beta, t.k.transpose(-1, -2), low)
-    t.ut_system = t.kk * t.pairwise
+    cum = g.cumsum(dim=-1)
+    t.cum_exp = cum.exp().unsqueeze(-1)
+    # exp(c_i - c_j) on and below the diagonal; above it the exponent is >= 0 (it may overflow to inf), and tril_
+    # writes zeros over it: the bits of the plain rule's masked_fill(-inf).exp().
+    t.pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).exp_().tril_()
+    t.ut_system = _matmul(t.k_beta, t.k.transpose(-1, -2), low).mul_(t.pairwise)
     t.k_cum = t.k_beta * t.cum_exp
     # [u | w]: the UT-transformed values and key decays.
     rhs = torch.cat([v_beta, t.k_cum], -1)
     t.uw = torch.linalg.solve_triangular(t.ut_system, rhs, upper=False, unitriangular=True)
-    t.u, t.w = t.uw.split([value.shape[-1], k_dim], dim=-1)
-    t.to_end = (t.cum[..., -1:] - t.cum).exp().unsqueeze(-1)
+    t.to_end = (cum[..., -1:] - cum).exp().unsqueeze(-1)
     t.k_d = t.k * t.to_end
-    t.decay = t.cum[..., -1].exp()[..., None, None]
+    t.decay = cum[..., -1].exp()[..., None, None]
     if query is not None:
+        t.q = _to_blocks(query, block) * k_dim**-0.5
         t.q_d = t.q * t.cum_exp
-        t.qk = _matmul(t.q, t.k.transpose(-1, -2), low)
-        t.intra = t.qk * t.pairwise
+        t.intra = _matmul(t.q, t.k.transpose(-1, -2), low).mul_(t.pairwise)
     return t
+
+
+# The terms `_DeltaRuleFunction` saves for its backward (with `v_new` and the per-block states).
+_SAVED_TERMS = (
+    "k", "v", "beta", "q", "k_beta", "cum_exp", "pairwise", "ut_system", "k_cum", "uw", "to_end", "k_d", "decay",
+    "q_d", "intra",
+)  # fmt: skip
 
 
 class _DeltaRuleFunction(torch.autograd.Function):
@@ -308,13 +323,13 @@ class _DeltaRuleFunction(torch.autograd.Function):
     (beta k exp(c))`; the scan over blocks `v_new = u - w S`, `S' = exp(c_last) S + k_d^T v_new` with `k_d = k
     exp(c_last - c)`; the output `o = (q exp(c)) S + ((q k^T) * P) v_new`.
 
-    Forward (no graph): the block terms for every block at once, the scan (two matmuls per block), keeping the state
-    at the start of every block, then the outputs of every block at once. Saved: the inputs and those states (the
-    plain rule's autograd saves the states too, and its block terms besides). Backward: the block terms and `v_new`
-    again (batched), the reverse scan of the state's gradient (two matmuls per block: `dv_new = (q k^T * P)^T do +
-    k_d dS'`, `dS = exp(c_last) dS' + (q exp(c))^T do - w^T dv_new`), then every other gradient for every block at
-    once, the UT transform's through one transposed triangular solve. The plain rule records about ten operations per
-    block in its forward and twice as many in its backward; this one runs three per block each way.
+    Forward (no graph): the block terms for every block at once, the scan (three operations per block), then the
+    outputs of every block at once. Saved: the block terms, `v_new` and the state at the start of every block (the
+    plain rule's autograd saves as much: the states, and its block terms, some twice). Backward: the reverse scan of
+    the state's gradient (three operations per block: `dv_new = (q k^T * P)^T do + k_d dS'`, `dS = exp(c_last) dS' +
+    (q exp(c))^T do - w^T dv_new`), then every other gradient for every block at once, the UT transform's through
+    one transposed triangular solve. The plain rule records about ten operations per block in its forward and runs
+    twice as many in its backward.
 
     Inputs as `_heads_fp32` returns them, in fp32: query (None: the final state alone) and key `[B, H, T, Dk]`
     (L2-normalized, not scaled), value `[B, H, T, Dv]`, g and beta `[B, H, T]`, the initial state `[B, H, Dk, Dv]`
@@ -329,39 +344,40 @@ class _DeltaRuleFunction(torch.autograd.Function):
         v_dim = value.shape[-1]
         with torch.autocast(key.device.type, enabled=False):
             t = _delta_rule_terms(query, key, value, g, beta, low)
+            u, w = t.uw.split([v_dim, k_dim], dim=-1)
             # states[i]: the state at the start of block i, states[-1] the final one.
-            states = key.new_empty(t.u.shape[0] + 1, batch * heads, k_dim, v_dim)
+            states = key.new_empty(u.shape[0] + 1, batch * heads, k_dim, v_dim)
             states[0] = 0 if initial_state is None else initial_state.reshape(batch * heads, k_dim, v_dim)
-            v_new = torch.empty_like(t.u)
+            v_new = torch.empty_like(u)
             if low is None:
                 k_dt = t.k_d.transpose(-1, -2)
                 for i in range(v_new.shape[0]):
-                    torch.baddbmm(t.u[i], t.w[i], states[i], alpha=-1, out=v_new[i])
+                    torch.baddbmm(u[i], w[i], states[i], alpha=-1, out=v_new[i])
                     torch.baddbmm(states[i] * t.decay[i], k_dt[i], v_new[i], out=states[i + 1])
             else:
-                w, k_dt = t.w.to(low), t.k_d.transpose(-1, -2).to(low)
+                w, k_dt = w.to(low), t.k_d.transpose(-1, -2).to(low)
                 for i in range(v_new.shape[0]):
-                    v_new[i] = t.u[i] - (w[i] @ states[i].to(low)).float()
+                    v_new[i] = u[i] - (w[i] @ states[i].to(low)).float()
                     states[i + 1] = states[i] * t.decay[i] + (k_dt[i] @ v_new[i].to(low)).float()
             out = None
             if query is not None:
                 out = _matmul(t.q_d, states[:-1], low) + _matmul(t.intra, v_new, low)
                 out = _from_blocks(out, batch, length)
-        ctx.save_for_backward(query, key, value, g, beta, states)
-        ctx.low = low
+        ctx.save_for_backward(*(getattr(t, name) for name in _SAVED_TERMS), v_new, states)
+        ctx.low, ctx.shape = low, (batch, heads, length, k_dim, v_dim)
         return out, states[-1].reshape(batch, heads, k_dim, v_dim).clone()
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        query, key, value, g, beta, states = ctx.saved_tensors
         low = ctx.low
-        batch, heads, length, k_dim = key.shape
-        with torch.autocast(key.device.type, enabled=False):
-            t = _delta_rule_terms(query, key, value, g, beta, low)
-            starts = states[:-1]
-            v_new = t.u - _matmul(t.w, starts, low)
+        batch, heads, length, k_dim, v_dim = ctx.shape
+        *terms, v_new, states = ctx.saved_tensors
+        t = types.SimpleNamespace(**dict(zip(_SAVED_TERMS, terms, strict=True)))
+        u, w = t.uw.split([v_dim, k_dim], dim=-1)
+        starts, block = states[:-1], DELTA_RULE_BLOCK
+        with torch.autocast(states.device.type, enabled=False):
             # From the outputs: into v_new (through the intra-block attention) and into each block's start state.
-            d_o = None if d_out is None else _to_blocks(d_out.to(key.dtype), DELTA_RULE_BLOCK)
+            d_o = None if d_out is None else _to_blocks(d_out.to(states.dtype), block)
             if d_o is None:
                 from_out, into_state = torch.zeros_like(v_new), torch.zeros_like(starts)
             else:
@@ -372,60 +388,64 @@ class _DeltaRuleFunction(torch.autograd.Function):
             d_states[-1] = 0 if d_final is None else d_final.reshape(d_states.shape[1:])
             d_v_new = torch.empty_like(v_new)
             if low is None:
-                w_t = t.w.transpose(-1, -2)
+                w_t = w.transpose(-1, -2)
                 for i in reversed(range(v_new.shape[0])):
                     torch.baddbmm(from_out[i], t.k_d[i], d_states[i + 1], out=d_v_new[i])
                     carried = torch.addcmul(into_state[i], d_states[i + 1], t.decay[i])
                     torch.baddbmm(carried, w_t[i], d_v_new[i], alpha=-1, out=d_states[i])
             else:
-                k_d, w_t = t.k_d.to(low), t.w.transpose(-1, -2).to(low)
+                k_d, w_t = t.k_d.to(low), w.transpose(-1, -2).to(low)
                 for i in reversed(range(v_new.shape[0])):
                     d_v_new[i] = from_out[i] + (k_d[i] @ d_states[i + 1].to(low)).float()
                     carried = torch.addcmul(into_state[i], d_states[i + 1], t.decay[i])
                     d_states[i] = carried - (w_t[i] @ d_v_new[i].to(low)).float()
             del from_out, into_state
             ends = d_states[1:]  # the gradient of the state at the end of each block
-            d_decay = (ends * starts).sum((-1, -2), keepdim=True)
+            d_decay = (ends * starts).sum((-1, -2))
             d_k_d = _matmul(v_new, ends.transpose(-1, -2), low)
-            d_w = -_matmul(d_v_new, starts.transpose(-1, -2), low)
-            # The UT transform: x = L^-1 r gives dr = L^-T dx and dL = -dr x^T, of which the strictly lower part.
+            d_w = _matmul(d_v_new, starts.transpose(-1, -2), low).neg_()
+            # The UT transform: x = L^-1 r gives dr = L^-T dx and dL = -dr x^T, of which the strictly lower part
+            # (the solve reads neither the diagonal nor the upper triangle).
             d_rhs = torch.linalg.solve_triangular(
                 t.ut_system.transpose(-1, -2), torch.cat([d_v_new, d_w], -1), upper=True, unitriangular=True
             )
             del d_v_new, d_w
-            d_ut = -(d_rhs @ t.uw.transpose(-1, -2)).tril(-1)
-            d_v_beta, d_k_cum = d_rhs.split([value.shape[-1], k_dim], dim=-1)
-            d_pairwise = d_ut * t.kk
-            d_kk = d_ut * t.pairwise
-            del d_ut
-            d_k_beta = _matmul(d_kk, t.k, low) + d_k_cum * t.cum_exp
-            d_k = _matmul(d_kk.transpose(-1, -2), t.k_beta, low) + d_k_d * t.to_end
-            del d_kk
-            s = (d_k_d * t.k_d).sum(-1)
-            d_cum = (d_k_cum * t.k_cum).sum(-1) - s
-            d_last = s.sum(-1) + (d_decay * t.decay)[..., 0, 0]
+            d_ut = (d_rhs @ t.uw.transpose(-1, -2).neg()).tril_(-1)
+            d_v_beta, d_k_cum = d_rhs.split([v_dim, k_dim], dim=-1)
+            # The gradients of the products k_beta k^T and q k^T, stacked `[..., 2 block, block]`, so that their
+            # matmuls with k (into k_beta and q) and their transposed ones (into k, summed) run once each.
+            products = d_ut.new_empty(*d_ut.shape[:-2], block * (1 if d_o is None else 2), block)
+            torch.mul(d_ut, t.pairwise, out=products[..., :block, :])
+            # The gradient of P's exponents: d(P_ij) P_ij, with P's uses (k_beta k^T) * P and (q k^T) * P.
+            d_exponents = d_ut.mul_(t.ut_system)
+            d_cum = -(d_k_d * t.k_d).sum(-1)
+            d_last = -d_cum.sum(-1) + d_decay * t.decay[..., 0, 0]
+            d_cum += (d_k_cum * t.k_cum).sum(-1)
+            left = t.k_beta
+            if d_o is not None:
+                d_intra = _matmul(d_o, v_new.transpose(-1, -2), low)
+                torch.mul(d_intra, t.pairwise, out=products[..., block:, :])
+                d_exponents.addcmul_(d_intra, t.intra)
+                del d_intra
+                d_q_d = _matmul(d_o, starts.transpose(-1, -2), low)
+                d_cum += (d_q_d * t.q_d).sum(-1)
+                left = torch.cat([t.k_beta, t.q], dim=-2)
+            into_left = _matmul(products, t.k, low)  # [d k_beta; d q] through the products
+            d_k = _matmul(products.transpose(-1, -2), left, low) + d_k_d * t.to_end
+            del products
+            d_k_beta = into_left[..., :block, :] + d_k_cum * t.cum_exp
             d_q = None
             if d_o is not None:
-                d_q_d = _matmul(d_o, starts.transpose(-1, -2), low)
-                d_intra = _matmul(d_o, v_new.transpose(-1, -2), low)
-                d_pairwise = d_pairwise + d_intra * t.qk
-                d_qk = d_intra * t.pairwise
-                del d_intra
-                d_q = (_matmul(d_qk, t.k, low) + d_q_d * t.cum_exp) * k_dim**-0.5
-                d_k = d_k + _matmul(d_qk.transpose(-1, -2), t.q, low)
-                d_cum = d_cum + (d_q_d * t.q_d).sum(-1)
-            # pairwise_ij = exp(c_i - c_j) below the diagonal.
-            d_z = d_pairwise * t.pairwise
-            d_cum = d_cum + d_z.sum(-1) - d_z.sum(-2)
+                d_q = (into_left[..., block:, :] + d_q_d * t.cum_exp) * k_dim**-0.5
+            d_cum += d_exponents.sum(-1) - d_exponents.sum(-2)
             d_cum[..., -1] += d_last
             # c = cumsum(g): the gradient of g_j sums that of every c_i with i >= j.
             d_g = d_cum.flip(-1).cumsum(-1).flip(-1)
-            d_k = d_k + d_k_beta * t.beta.unsqueeze(-1)
+            d_k += d_k_beta * t.beta.unsqueeze(-1)
             d_beta = (d_k_beta * t.k).sum(-1) + (d_v_beta * t.v).sum(-1)
             d_v = d_v_beta * t.beta.unsqueeze(-1)
-            grads = [d_q, d_k, d_v, d_g, d_beta]
-            grads = [None if x is None else _from_blocks(x, batch, length) for x in grads]
-            d_initial = d_states[0].reshape(batch, heads, k_dim, -1) if ctx.needs_input_grad[5] else None
+            grads = [None if x is None else _from_blocks(x, batch, length) for x in (d_q, d_k, d_v, d_g, d_beta)]
+            d_initial = d_states[0].reshape(batch, heads, k_dim, v_dim) if ctx.needs_input_grad[5] else None
         return (*grads, d_initial, None)
 
 
