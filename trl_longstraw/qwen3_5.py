@@ -46,9 +46,10 @@ When autograd records (the chunk forwards of exact mode's reverse pass), the tor
 (`_DeltaRuleFunction`), the decomposition of fla's chunked backward (per-block states kept, a reverse scan of the
 state's gradient, everything else for all blocks at once) in plain torch operations. fla's own kernels need CUDA and
 Triton; on CPU, autograd through `torch_gated_delta_rule` records some ten small operations per 64-token block and
-runs twice as many in backward, while the Function runs three each way and saves only its inputs and the per-block
-states. `torch_gated_delta_rule` stays as the plain reference (tests/test_gdn_backward.py compares outputs and every
-input gradient).
+runs twice as many in backward, while the Function's backward runs three per block and everything else for all
+blocks at once. Its forward runs the plain rule's operations, so outputs and states are the plain rule's bits (the
+prefill, without autograd, runs the plain rule). `torch_gated_delta_rule` stays as the plain reference
+(tests/test_gdn_backward.py compares outputs, final state and every input gradient).
 
 On CUDA, when `fla` is installed (the `[cuda]` extra), flash-linear-attention's kernels run the delta rule for bf16 or
 fp16 inputs (it rejects fp32) and the causal conv, both from the recorded state and both differentiable in it.
@@ -295,9 +296,10 @@ def _delta_rule_terms(query, key, value, g, beta, low) -> types.SimpleNamespace:
     t.pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).exp_().tril_()
     t.ut_system = _matmul(t.k_beta, t.k.transpose(-1, -2), low).mul_(t.pairwise)
     t.k_cum = t.k_beta * t.cum_exp
-    # [u | w]: the UT-transformed values and key decays.
-    rhs = torch.cat([v_beta, t.k_cum], -1)
-    t.uw = torch.linalg.solve_triangular(t.ut_system, rhs, upper=False, unitriangular=True)
+    # The UT-transformed values and key decays (two solves, as the plain rule: one solve of both side by side gives
+    # other bits, and the prefill's records come from the plain rule).
+    t.u = torch.linalg.solve_triangular(t.ut_system, v_beta, upper=False, unitriangular=True)
+    t.w = torch.linalg.solve_triangular(t.ut_system, t.k_cum, upper=False, unitriangular=True)
     t.to_end = (cum[..., -1:] - cum).exp().unsqueeze(-1)
     t.k_d = t.k * t.to_end
     t.decay = cum[..., -1].exp()[..., None, None]
@@ -310,7 +312,7 @@ def _delta_rule_terms(query, key, value, g, beta, low) -> types.SimpleNamespace:
 
 # The terms `_DeltaRuleFunction` saves for its backward (with `v_new` and the per-block states).
 _SAVED_TERMS = (
-    "k", "v", "beta", "q", "k_beta", "cum_exp", "pairwise", "ut_system", "k_cum", "uw", "to_end", "k_d", "decay",
+    "k", "v", "beta", "q", "k_beta", "cum_exp", "pairwise", "ut_system", "k_cum", "u", "w", "to_end", "k_d", "decay",
     "q_d", "intra",
 )  # fmt: skip
 
@@ -323,13 +325,14 @@ class _DeltaRuleFunction(torch.autograd.Function):
     (beta k exp(c))`; the scan over blocks `v_new = u - w S`, `S' = exp(c_last) S + k_d^T v_new` with `k_d = k
     exp(c_last - c)`; the output `o = (q exp(c)) S + ((q k^T) * P) v_new`.
 
-    Forward (no graph): the block terms for every block at once, the scan (three operations per block), then the
-    outputs of every block at once. Saved: the block terms, `v_new` and the state at the start of every block (the
-    plain rule's autograd saves as much: the states, and its block terms, some twice). Backward: the reverse scan of
-    the state's gradient (three operations per block: `dv_new = (q k^T * P)^T do + k_d dS'`, `dS = exp(c_last) dS' +
-    (q exp(c))^T do - w^T dv_new`), then every other gradient for every block at once, the UT transform's through
-    one transposed triangular solve. The plain rule records about ten operations per block in its forward and runs
-    twice as many in its backward.
+    Forward (no graph): the block terms for every block at once, the scan (five operations per block), then the
+    outputs of every block at once; the operations of the plain rule, so its output and final state are the same bits
+    (in fp32 and under autocast), as `prefill_attention_reuse` needs: the prefill runs the plain rule without autograd
+    and the reverse pass this one. Saved: the block terms, `v_new` and the state at the start of every block (no more
+    than the plain rule's autograd saves). Backward: the reverse scan of the state's gradient (three operations per
+    block: `dv_new = (q k^T * P)^T do + k_d dS'`, `dS = exp(c_last) dS' + (q exp(c))^T do - w^T dv_new`), then every
+    other gradient for every block at once, the UT transform's through one transposed triangular solve. The plain
+    rule records about ten operations per block in its forward and runs twice as many in its backward.
 
     Inputs as `_heads_fp32` returns them, in fp32: query (None: the final state alone) and key `[B, H, T, Dk]`
     (L2-normalized, not scaled), value `[B, H, T, Dv]`, g and beta `[B, H, T]`, the initial state `[B, H, Dk, Dv]`
@@ -344,21 +347,18 @@ class _DeltaRuleFunction(torch.autograd.Function):
         v_dim = value.shape[-1]
         with torch.autocast(key.device.type, enabled=False):
             t = _delta_rule_terms(query, key, value, g, beta, low)
-            u, w = t.uw.split([v_dim, k_dim], dim=-1)
             # states[i]: the state at the start of block i, states[-1] the final one.
-            states = key.new_empty(u.shape[0] + 1, batch * heads, k_dim, v_dim)
+            states = key.new_empty(t.u.shape[0] + 1, batch * heads, k_dim, v_dim)
             states[0] = 0 if initial_state is None else initial_state.reshape(batch * heads, k_dim, v_dim)
-            v_new = torch.empty_like(u)
-            if low is None:
-                k_dt = t.k_d.transpose(-1, -2)
-                for i in range(v_new.shape[0]):
-                    torch.baddbmm(u[i], w[i], states[i], alpha=-1, out=v_new[i])
-                    torch.baddbmm(states[i] * t.decay[i], k_dt[i], v_new[i], out=states[i + 1])
-            else:
-                w, k_dt = w.to(low), t.k_d.transpose(-1, -2).to(low)
-                for i in range(v_new.shape[0]):
-                    v_new[i] = u[i] - (w[i] @ states[i].to(low)).float()
-                    states[i + 1] = states[i] * t.decay[i] + (k_dt[i] @ v_new[i].to(low)).float()
+            v_new = torch.empty_like(t.u)
+            # The plain rule's operations (a fused baddbmm would round differently), so that the outputs and states
+            # are its bits: the prefill runs the plain rule, and prefill_attention_reuse keeps its attention outputs.
+            w, k_dt = t.w, t.k_d.transpose(-1, -2)
+            if low is not None:
+                w, k_dt = w.to(low), k_dt.to(low)
+            for i in range(v_new.shape[0]):
+                torch.sub(t.u[i], _matmul(w[i], states[i], low), out=v_new[i])
+                torch.add(states[i] * t.decay[i], _matmul(k_dt[i], v_new[i], low), out=states[i + 1])
             out = None
             if query is not None:
                 out = _matmul(t.q_d, states[:-1], low) + _matmul(t.intra, v_new, low)
@@ -373,7 +373,6 @@ class _DeltaRuleFunction(torch.autograd.Function):
         batch, heads, length, k_dim, v_dim = ctx.shape
         *terms, v_new, states = ctx.saved_tensors
         t = types.SimpleNamespace(**dict(zip(_SAVED_TERMS, terms, strict=True)))
-        u, w = t.uw.split([v_dim, k_dim], dim=-1)
         starts, block = states[:-1], DELTA_RULE_BLOCK
         with torch.autocast(states.device.type, enabled=False):
             # From the outputs: into v_new (through the intra-block attention) and into each block's start state.
@@ -388,13 +387,13 @@ class _DeltaRuleFunction(torch.autograd.Function):
             d_states[-1] = 0 if d_final is None else d_final.reshape(d_states.shape[1:])
             d_v_new = torch.empty_like(v_new)
             if low is None:
-                w_t = w.transpose(-1, -2)
+                w_t = t.w.transpose(-1, -2)
                 for i in reversed(range(v_new.shape[0])):
                     torch.baddbmm(from_out[i], t.k_d[i], d_states[i + 1], out=d_v_new[i])
                     carried = torch.addcmul(into_state[i], d_states[i + 1], t.decay[i])
                     torch.baddbmm(carried, w_t[i], d_v_new[i], alpha=-1, out=d_states[i])
             else:
-                k_d, w_t = t.k_d.to(low), w.transpose(-1, -2).to(low)
+                k_d, w_t = t.k_d.to(low), t.w.transpose(-1, -2).to(low)
                 for i in reversed(range(v_new.shape[0])):
                     d_v_new[i] = from_out[i] + (k_d[i] @ d_states[i + 1].to(low)).float()
                     carried = torch.addcmul(into_state[i], d_states[i + 1], t.decay[i])
@@ -410,7 +409,7 @@ class _DeltaRuleFunction(torch.autograd.Function):
                 t.ut_system.transpose(-1, -2), torch.cat([d_v_new, d_w], -1), upper=True, unitriangular=True
             )
             del d_v_new, d_w
-            d_ut = (d_rhs @ t.uw.transpose(-1, -2).neg()).tril_(-1)
+            d_ut = (d_rhs @ torch.cat([t.u, t.w], -1).transpose(-1, -2).neg_()).tril_(-1)
             d_v_beta, d_k_cum = d_rhs.split([v_dim, k_dim], dim=-1)
             # The gradients of the products k_beta k^T and q k^T, stacked `[..., 2 block, block]`, so that their
             # matmuls with k (into k_beta and q) and their transposed ones (into k, summed) run once each.
