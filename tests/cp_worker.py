@@ -3,11 +3,14 @@ backward with context-parallel prompt passes, in fp32 and under bf16 autocast (T
 
 Launched through `tests.helpers.torchrun` (2 processes), one case per model: `main(MODEL_PATH, OUT)`. Every rank first
 runs the whole micro-batch alone (no shards: fp32, then bf16 autocast), then its own rows with the prompt state sharded
-over both ranks (fp32, bf16), whose gradients are summed over the ranks. The micro-batch: one prompt of 61 tokens in
-chunks of 7 (60 prefix tokens: 4 rounds of 2 chunks of 7, then a round of 2 + 2), 2 + 2 ragged completions; for
-glm_moe_dsa a second, left-padded prompt of 38 tokens (37 prefix tokens: 2 rounds of 2 chunks of 7, then a round of 5 +
-4), each rank holding one completion of each prompt, the rounds' exchanges in slices of 3 query rows per rank, and the
-DSA round check `dsa_round_errors` of every rank. For llama and qwen3_5, then, under gradient checkpointing, the
+over both ranks (fp32, bf16, and fp32 with replicated chunks instead of context-parallel rounds, as for an adapter
+without them), whose gradients are summed over the ranks; each run counts the calls that compute a token mixer's output
+in the last decoder layer and the others (`dist_worker.mixer_outputs_counted`). `attention_last(MODEL_PATH, OUT)`: the
+fp32 runs alone, for a qwen3_5 model whose last layer is a gated-attention layer. The micro-batch: one prompt of 61
+tokens in chunks of 7 (60 prefix tokens: 4 rounds of 2 chunks of 7, then a round of 2 + 2), 2 + 2 ragged completions;
+for glm_moe_dsa a second, left-padded prompt of 38 tokens (37 prefix tokens: 2 rounds of 2 chunks of 7, then a round of
+5 + 4), each rank holding one completion of each prompt, the rounds' exchanges in slices of 3 query rows per rank, and
+the DSA round check `dsa_round_errors` of every rank. For llama and qwen3_5, then, under gradient checkpointing, the
 sharded fp32 run twice: with the reverse pass's attention reuse (each checkpoint recompute takes its attention layer's
 kept output instead of exchanging and attending again) and without it, counting fused attention forwards and
 all-to-alls, and with the reuse each rank's (query, key) pairs through the fused kernels in the context-parallel
@@ -146,7 +149,14 @@ def dsa_round_errors(rank: int) -> dict[str, float]:
     return errors
 
 
-def main(model_path: str, out_path: str) -> None:
+def attention_last(model_path: str, out_path: str) -> None:
+    """`main` on a qwen3_5 model whose last decoder layer is a gated-attention layer (as in Qwen3.6-27B, where every
+    fourth layer is): the fp32 runs alone, one process's and the sharded ones, with their mixer-output counts."""
+    main(model_path, out_path, fp32_only=True)
+
+
+def main(model_path: str, out_path: str, fp32_only: bool = False) -> None:
+    from dist_worker import mixer_outputs_counted
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
@@ -176,21 +186,27 @@ def main(model_path: str, out_path: str) -> None:
     def bf16():
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
-    def run(shards, autocast) -> dict[str, torch.Tensor]:
+    outputs = {}  # run -> `mixer_outputs_counted`'s counts
+
+    def run(name: str, shards, autocast, replicated: bool = False) -> dict[str, torch.Tensor]:
         rows = list(range(rank, 4, world)) if shards is not None else list(range(4))
         model.zero_grad(set_to_none=True)
         engine = Engine(model, model, adapter, chunk_size=7, shards=shards, autocast=autocast)
-        if shards is not None:
+        if replicated:  # every rank runs every chunk, as for an adapter without context parallelism
+            engine.context_parallel = False
+        elif shards is not None:
             assert engine.context_parallel, "the passes are not context-parallel"
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
         inputs = [batch[k][rows] for k in keys]
-        engine.backward(*inputs, grad_logps[rows], grad_entropies[rows], True, torch.autograd.backward)
+        with mixer_outputs_counted(model) as counts:
+            engine.backward(*inputs, grad_logps[rows], grad_entropies[rows], True, torch.autograd.backward)
+        outputs[name] = counts
         grads = {}
-        for name, p in model.named_parameters():
+        for param, p in model.named_parameters():
             grad = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
             if shards is not None:
                 dist.all_reduce(grad)
-            grads[name] = grad
+            grads[param] = grad
         return grads
 
     import trl_longstraw.glm_moe_dsa as glm_module
@@ -208,12 +224,16 @@ def main(model_path: str, out_path: str) -> None:
     try:
         shards = PromptShards(None)
         results = {
-            "single fp32": run(None, contextlib.nullcontext),
-            "single bf16": run(None, bf16),
-            "sharded fp32": run(shards, contextlib.nullcontext),
-            "sharded bf16": run(shards, bf16),
+            "single fp32": run("single fp32", None, contextlib.nullcontext),
+            "sharded fp32": run("sharded fp32", shards, contextlib.nullcontext),
+            "sharded fp32 replicated": run("sharded fp32 replicated", shards, contextlib.nullcontext, True),
         }
-        if glm:
+        if not fp32_only:
+            results["single bf16"] = run("single bf16", None, bf16)
+            results["sharded bf16"] = run("sharded bf16", shards, bf16)
+        if fp32_only:  # `attention_last`
+            pass
+        elif glm:
             results["dsa round errors"] = [None] * world
             dist.all_gather_object(results["dsa round errors"], dsa_round_errors(rank))
         else:
@@ -236,13 +256,15 @@ def main(model_path: str, out_path: str) -> None:
             dist.all_to_all_single = counted_all_to_all
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()  # transformers checkpoints only in training mode; the tiny models have no dropout
-            results["sharded fp32 checkpointed, reuse"] = run(shards, contextlib.nullcontext)
+            results["sharded fp32 checkpointed, reuse"] = run("checkpointed, reuse", shards, contextlib.nullcontext)
             results["counts, reuse"] = dict(counts)
             results["pairs per rank"] = [None] * world
             dist.all_gather_object(results["pairs per rank"], counts["pairs"])
             counts.update(kernel=0, all_to_all=0, pairs=0)
             engine.Pass.attention_reuse = lambda self, layer_idx: None
-            results["sharded fp32 checkpointed, no reuse"] = run(shards, contextlib.nullcontext)
+            results["sharded fp32 checkpointed, no reuse"] = run(
+                "checkpointed, no reuse", shards, contextlib.nullcontext
+            )
             results["counts, no reuse"] = dict(counts)
     finally:
         (
@@ -252,6 +274,8 @@ def main(model_path: str, out_path: str) -> None:
             dist.all_to_all_single,
             engine.Pass.attention_reuse,
         ) = saved
+    results["mixer outputs"] = [None] * world
+    dist.all_gather_object(results["mixer outputs"], outputs)
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()

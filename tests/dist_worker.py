@@ -33,6 +33,9 @@ rank takes its rows and runs these scenarios on them:
   tokens, as for old-policy and reference log-probs;
 - for every FSDP2 scenario, at each unshard (prefetches included) and each wait for one, how many decoder layers
   are gathered or being gathered, and how many hold unsharded parameters (`gathered`);
+- for the sharded scenarios (`sharded_exact`, `sharded_detached`, `sharded_long_exact`, `fsdp2_sharded_exact`,
+  `fsdp2_grouped_sharded_detached`), the calls that compute a token mixer's output in the last decoder layer and in
+  the others, in prompt passes and in branches (`mixer_outputs_counted`);
 - `nonfinite_raise`: the sharded exact step on `S` with a NaN advantage in rank 1's rows only (`on_nonfinite`
   "raise"): every rank must raise FloatingPointError before back-propagating (none left waiting in a collective);
   the messages are kept;
@@ -226,6 +229,78 @@ def mlp_tokens_counted(model):
     finally:
         for h in hooks:
             h.remove()
+
+
+@contextlib.contextmanager
+def mixer_outputs_counted(model):
+    """Counts the calls that compute a token mixer's output, by decoder layer and pass: the prompt attention of
+    llama's and qwen3_5's attention layers (`kv.attend`, sharded or not), glm_moe_dsa's DSA selection and sparse
+    latent attention (sharded or not), and Gated DeltaNet's delta rule with queries (without them it computes its
+    state, the record, alone). Yields `{"prompt last": n, "prompt earlier": n, "branch last": n}`: the calls of the
+    last decoder layer in prompt passes (`Engine.prefill`, `Engine.reverse` and their lockstep fillers, checkpoint
+    recomputes included), those of the other layers there, and those of the last layer elsewhere (the branches)."""
+    import trl_longstraw.glm_moe_dsa as glm
+    import trl_longstraw.kv as kv
+    import trl_longstraw.qwen3_5 as qwen
+    from trl_longstraw.engine import BRANCH, Engine
+
+    layers = model.get_decoder().layers
+    counts = {"prompt last": 0, "prompt earlier": 0, "branch last": 0}
+    current, prompt = [None], [0]
+
+    def entering(i: int):
+        def hook(module, args):
+            current[0] = i
+
+        return hook
+
+    def in_prompt(fn, applies=lambda *args, **kwargs: True):
+        def wrapper(self, *args, **kwargs):
+            on = bool(applies(*args, **kwargs))
+            prompt[0] += on
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                prompt[0] -= on
+
+        return wrapper
+
+    def counted(fn, computes=lambda *args, **kwargs: True):
+        def wrapper(*args, **kwargs):
+            if computes(*args, **kwargs):
+                last = current[0] == len(layers) - 1
+                if prompt[0]:
+                    counts["prompt last" if last else "prompt earlier"] += 1
+                elif last:
+                    counts["branch last"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    methods = {name: getattr(Engine, name) for name in ("prefill", "reverse", "_filler")}
+    functions = [(kv, "attend", None), (qwen, "gated_delta_rule", lambda query, *args, **kwargs: query is not None)]
+    functions += [
+        (glm, name, None)
+        for name in ("select_topk", "sharded_select_topk", "sparse_latent_attention", "sharded_latent_attention")
+    ]
+    saved = [getattr(module, name) for module, name, _ in functions]
+    # On the layers' submodules: transformers checkpoints a layer's `forward`, inside its own hooks, so only the
+    # submodules' hooks run again in a recompute.
+    hooks = [m.register_forward_pre_hook(entering(i)) for i, layer in enumerate(layers) for m in layer.children()]
+    try:
+        Engine.prefill = in_prompt(methods["prefill"])
+        Engine.reverse = in_prompt(methods["reverse"])
+        Engine._filler = in_prompt(methods["_filler"], lambda kind, *args, **kwargs: kind != BRANCH)
+        for module, name, computes in functions:
+            setattr(module, name, counted(getattr(module, name), *([computes] if computes else [])))
+        yield counts
+    finally:
+        for h in hooks:
+            h.remove()
+        for name, method in methods.items():
+            setattr(Engine, name, method)
+        for (module, name, _), fn in zip(functions, saved, strict=True):
+            setattr(module, name, fn)
 
 
 @contextlib.contextmanager
@@ -609,6 +684,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     trainer.current_gradient_accumulation_steps = 1
     count_collectives(log)
     results: dict = {"collectives": {}, "state_bytes": {}, "gathered": {}, "prompt_passes": {}, "hold_warnings": {}}
+    results["mixer_outputs"] = {}
 
     def full_grads(model) -> dict[str, torch.Tensor]:
         grads = {}
@@ -699,8 +775,12 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
             trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             trainer.model.gradient_checkpointing_disable()
-        with prompt_positions_counted(trainer.model.base_model, s_prompts) as counts:
+        with (
+            prompt_positions_counted(trainer.model.base_model, s_prompts) as counts,
+            mixer_outputs_counted(trainer.model) as outputs,
+        ):
             step(ddp, batches["S"], mode)
+        results["mixer_outputs"][name] = outputs
         results[name] = full_grads(trainer.model)
         results["collectives"][name] = log[start:]
         results["prompt_passes"][name] = [counts]
@@ -743,8 +823,9 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     # A long prompt: the tokens that run through the MLPs on this rank (context parallelism splits the prompt's).
     start = len(log)
     trainer.model.zero_grad(set_to_none=True)
-    with mlp_tokens_counted(trainer.model) as mlp_tokens:
+    with mlp_tokens_counted(trainer.model) as mlp_tokens, mixer_outputs_counted(trainer.model) as outputs:
         step(ddp, batches["L"], "exact")
+    results["mixer_outputs"]["sharded_long_exact"] = outputs
     results["sharded_long_exact"] = full_grads(trainer.model)
     results["collectives"]["sharded_long_exact"] = log[start:]
     results["mlp_tokens"] = mlp_tokens[0]
@@ -767,7 +848,9 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     gathered.clear()
     # With non-reentrant checkpointing, as the recipes run FSDP2: recomputed layers are gathered again by FSDP2.
     fsdp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    step(fsdp, batches["S"], "exact")
+    with mixer_outputs_counted(fsdp) as outputs:
+        step(fsdp, batches["S"], "exact")
+    results["mixer_outputs"]["fsdp2_sharded_exact"] = outputs
     fsdp.gradient_checkpointing_disable()
     results["fsdp2_sharded_exact"] = full_grads(fsdp)
     results["collectives"]["fsdp2_sharded_exact"] = log[start:]
@@ -781,7 +864,9 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
     start = len(log)
     fsdp.zero_grad(set_to_none=True)
     gathered.clear()
-    step(fsdp, batches["B"], "detached")
+    with mixer_outputs_counted(fsdp) as outputs:
+        step(fsdp, batches["B"], "detached")
+    results["mixer_outputs"]["fsdp2_grouped_sharded_detached"] = outputs
     results["fsdp2_grouped_sharded_detached"] = full_grads(fsdp)
     results["collectives"]["fsdp2_grouped_sharded_detached"] = log[start:]
     results["gathered"]["fsdp2_grouped_sharded_detached"] = most_gathered()
@@ -851,6 +936,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         nonfinite,
         results["prompt_passes"],
         results["hold_warnings"],
+        results["mixer_outputs"],
     )
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -864,6 +950,7 @@ def main(model_path: str, batches_path: str, out_path: str) -> None:
         results["nonfinite"] = [e[7] for e in everyone]
         results["prompt_passes"] = [e[8] for e in everyone]
         results["hold_warnings"] = [e[9] for e in everyone]
+        results["mixer_outputs"] = [e[10] for e in everyone]
         torch.save(results, out_path)
     dist.barrier()
 

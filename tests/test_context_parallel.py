@@ -10,6 +10,7 @@ from tolerances import BF16_ERROR_FACTOR, SHARDED_ATTN_ATOL_FP64, SHARDED_GRAD_R
 
 from tests.helpers import torchrun
 from trl_longstraw.context_parallel import plan_rounds
+from trl_longstraw.testing import save_tiny_model
 
 FAMILIES = ["llama", "qwen3_5", "glm_moe_dsa"]
 # Seconds for the whole 2-process launch (3 models); it was 680 s per model.
@@ -45,10 +46,18 @@ def test_plan_rounds_cover_the_prefix(n, world):
         assert all(0 < end - start <= 64 for start, end in r)
 
 
+# A qwen3_5 whose last layer is a gated-attention layer, as Qwen3.6-27B's (the tiny one ends with a DeltaNet).
+ATTENTION_LAST = "qwen3_5 attention last"
+
+
 @pytest.fixture(scope="module")
 def launch(tiny_model_path, tmp_path_factory):
-    """tests/cp_worker.py on 2 processes for every model, in one launch."""
+    """tests/cp_worker.py on 2 processes for every model, in one launch, and its fp32 runs alone for the qwen3_5 whose
+    last layer attends (`ATTENTION_LAST`)."""
     cases = {family: ("cp_worker", [tiny_model_path(family)]) for family in FAMILIES}
+    layer_types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    last = save_tiny_model(tmp_path_factory.mktemp("attention-last"), "qwen3_5", layer_types=layer_types)
+    cases[ATTENTION_LAST] = ("cp_worker:attention_last", [last])
     with torchrun("the 2-process run", cases, tmp_path_factory.mktemp("cp"), nproc=2, timeout=LAUNCH_TIMEOUT) as run:
         yield run
 
@@ -75,7 +84,8 @@ def test_context_parallel_gradients_fp32_and_bf16(launch, family):
 
     for name, ref in reference.items():
         if ".indexer." in name:  # glm_moe_dsa's indexer runs without autograd, as in stock
-            assert not any(run[name].any() for key, run in runs.items() if key != "dsa round errors"), name
+            grads = [run for key, run in runs.items() if key not in ("dsa round errors", "mixer outputs")]
+            assert not any(run[name].any() for run in grads), name
             continue
         assert ref.any(), f"{name} got no gradient"
         assert error(runs["sharded fp32"], name) <= SHARDED_GRAD_RTOL, name
@@ -101,3 +111,29 @@ def test_context_parallel_gradients_fp32_and_bf16(launch, family):
             assert any("dprefix" in key for key in errors) and any("ties" in key for key in errors), rank
             for key, error in errors.items():
                 assert error <= SHARDED_ATTN_ATOL_FP64, f"rank {rank}: {key} error {error:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("case", [*FAMILIES, ATTENTION_LAST])
+def test_sharded_prompt_passes_skip_the_last_layers_outputs(launch, case):
+    """The last decoder layer of a prompt pass computes its records alone under the sharded state too, with
+    context-parallel rounds and with replicated chunks (every rank runs every chunk): no rank computes its mixer
+    output there (attention, DSA selection and latent attention, Gated DeltaNet's output), while the other layers do
+    and the last layer does in the branches (`dist_worker.mixer_outputs_counted`). The exact-mode gradients of both
+    equal one process's (SHARDED_GRAD_RTOL): the records are those the collective path stores."""
+    runs = launch.result(case)
+    reference = runs["single fp32"]
+    for run in ("sharded fp32", "sharded fp32 replicated"):
+        for name, ref in reference.items():
+            if ".indexer." in name:  # glm_moe_dsa's indexer runs without autograd, as in stock
+                assert not runs[run][name].any(), (run, name)
+                continue
+            assert ref.any(), f"{name} got no gradient"
+            error = ((runs[run][name] - ref).norm() / ref.norm()).item()
+            assert error <= SHARDED_GRAD_RTOL, f"{run}: {name} relative error {error:.2e}"
+    for rank, per_run in enumerate(runs["mixer outputs"]):
+        assert {"single fp32", "sharded fp32", "sharded fp32 replicated"} <= set(per_run)
+        for run, counts in per_run.items():
+            assert counts["prompt last"] == 0, f"rank {rank}, {run}: {counts}"
+            assert counts["prompt earlier"] > 0 and counts["branch last"] > 0, f"rank {rank}, {run}: {counts}"

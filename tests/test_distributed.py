@@ -263,6 +263,28 @@ def test_context_parallel_splits_mlp_tokens(launch, reference):
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_sharded_prompt_passes_skip_the_last_layers_outputs(launch):
+    """With the prompt state sharded, context-parallel or not (shard groups of one rank run replicated chunks, padded
+    by the world's lockstep fillers), under DDP and FSDP2, exact and detached: no rank computes the last decoder
+    layer's mixer output in a prompt pass (its attention, DSA selection and latent attention, or Gated DeltaNet's
+    output), which nothing reads, while the other layers do there and the last layer does in the branches
+    (`mixer_outputs_counted` in the worker). The gradients still equal one process's
+    (`test_gradients_match_single_process`)."""
+    results = _results(launch)
+    for rank, per_rank in enumerate(results["mixer_outputs"]):
+        assert set(per_rank) == {
+            "sharded_exact",
+            "sharded_detached",
+            "sharded_long_exact",
+            "fsdp2_sharded_exact",
+            "fsdp2_grouped_sharded_detached",
+        }
+        for scenario, counts in per_rank.items():
+            assert counts["prompt last"] == 0, f"rank {rank}, {scenario}: {counts}"
+            assert counts["prompt earlier"] > 0 and counts["branch last"] > 0, f"rank {rank}, {scenario}: {counts}"
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize(
     "scenario",
     ["fsdp2_exact", "fsdp2_detached", "fsdp2_idle_rank", "fsdp2_sharded_exact", "fsdp2_grouped_sharded_detached"],

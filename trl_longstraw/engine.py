@@ -13,8 +13,9 @@ which records they may read and where new records go:
 
 The prompt passes (prefill and reverse) never read the last decoder layer's outputs: later tokens read its records,
 and the last prompt position's logit comes from the branches. So that layer's MLP and the final norm are skipped, and
-its token mixer emits its records without computing its output unless the state is sharded (`Engine._records_only`,
-`Pass.outputs_unread`); the reverse pass keeps no graph for what was skipped.
+its token mixer emits its records without computing its output (`Engine._records_only`, `Pass.outputs_unread`),
+sharded or not: under `shard_prompt_state` every rank of the group skips the last layer's attention and its
+collectives together. The reverse pass keeps no graph for what was skipped.
 
 Positions follow stock `GRPOTrainer`: a row padded on the left by `pad` tokens places its first real prompt token at
 position `pad`, exactly as the padded full-sequence forward does.
@@ -133,9 +134,14 @@ class Pass:
 
     def outputs_unread(self, layer_idx: int) -> bool:
         """Whether the token mixer of `layer_idx` may emit its record and return zeros instead of its output: the last
-        layer in a prompt pass (`records_only`) of an unsharded state (a sharded attention is collective, and its ranks
-        run it whole)."""
-        return self.records_only == layer_idx and self.shard is None
+        layer in a prompt pass (`records_only`).
+
+        Sharded too (`shard_prompt_state`, replicated chunks and context-parallel rounds): the record is what the
+        collective path emits (`Pass.emit(..., sharded=True)` keeps it on its chunk's owner; a round stores each
+        rank's own chunk), and every rank of the group skips the same layer of the same pass, so the attention's
+        collectives are dropped on all of them together. Collectives that the records themselves need (Gated
+        DeltaNet's round, `qwen3_5._round_core`) still run."""
+        return self.records_only == layer_idx
 
     def attention_reuse(self, layer_idx: int) -> dict | None:
         """The `reuse` slot of this layer's prompt attention (`attention.prefix_merge_attention`).

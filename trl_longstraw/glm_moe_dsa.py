@@ -30,9 +30,12 @@ rows of the prompt's records and of the row's tail.
 **Sharded prompt state** (`sharding`): each rank holds the records of its chunks. The selection is the global top-k
 (`sharded_select_topk`: each rank's best candidates among its chunks, merged in key order by the query owner) and the
 attention merges each rank's part by log-sum-exp (`sharded_latent_attention`). The prefill and reverse passes are
-context-parallel (`context_parallel`): in a round each rank runs its own chunk through the projections, the indexer
-and the MoE, gathers the round's rows (`round_rows`: `kv` and index keys, which the queries see causally after the
-prefix), and exchanges its queries with the other ranks for the prefix, `EXCHANGE_ROWS` gathered queries at a time.
+context-parallel (`context_parallel`): in a round each rank runs its own chunk through the projections, the indexer and
+the MoE, gathers the round's rows (`round_rows`: `kv` and index keys, which the queries see causally after the prefix),
+and exchanges its queries with the other ranks for the prefix, `EXCHANGE_ROWS` gathered queries at a time. The last
+layer of a prompt pass computes its records alone, sharded or not (`Pass.outputs_unread`): its MLA rows and indexer
+keys, stored on their chunk's owner, without queries, selection, attention or their exchanges, which every rank of the
+group skips together.
 
 Stock semantics kept on purpose:
 

@@ -46,7 +46,8 @@ def longstraw_attention(
     p = active_pass()
     if p.outputs_unread(module.layer_idx):
         # The last layer of a prompt pass: its keys and values are all that later tokens read, as `attend` records
-        # them; the output is zeros (a view) that nothing reads.
+        # them (sharded: on the chunk's owner, every rank of the group skipping the same attention and its
+        # collectives); the output is zeros (a view) that nothing reads.
         p.emit(module.layer_idx, autocast_inputs(key, value), sharded=True)
         batch, heads, length, _ = query.shape
         return query.new_zeros(()).expand(batch, length, heads, value.shape[-1]), None

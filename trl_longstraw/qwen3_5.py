@@ -615,9 +615,9 @@ def _gated_deltanet_forward(
     width = self.conv_kernel_size - 1
 
     projected = self.in_proj_qkv(hidden_states)  # [B, n, C]
-    # The last layer of a prompt pass emits its record and returns zeros: nothing reads its output. Also in a
-    # context-parallel round, whose collectives carry records only (`_round_core`).
-    unread = p.outputs_unread(self.layer_idx) or (p.cp is not None and p.records_only == self.layer_idx)
+    # The last layer of a prompt pass emits its record and returns zeros: nothing reads its output. In a
+    # context-parallel round its collectives then carry the records alone (`_round_core`).
+    unread = p.outputs_unread(self.layer_idx)
     z = None if unread else self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
     b = self.in_proj_b(hidden_states)
     a = self.in_proj_a(hidden_states)

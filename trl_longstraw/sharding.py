@@ -773,6 +773,8 @@ def attend(p, layer_idx: int, query, key, value, scale: float) -> torch.Tensor:
 
     Sharded when the pass is (`p.shard`), so adapters whose attention fits `(q, k, v)` need nothing else. Under
     autocast the inputs are first cast as autocast casts stock's SDPA inputs, so the records hold the autocast dtype.
+    The last layer of a prompt pass (`Pass.outputs_unread`) does not call it: its adapter emits the same record
+    alone (`kv.longstraw_attention`), on every rank of a shard group, which all skip the attention's collectives.
     """
     query, key, value = autocast_inputs(query, key, value)
     records = p.read(layer_idx)
