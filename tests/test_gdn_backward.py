@@ -141,19 +141,20 @@ def test_dispatch(monkeypatch):
 
 
 @pytest.mark.parametrize("length", [63, 200])
-def test_hand_backward_bf16_autocast(length):
-    """Under bf16 autocast (the matmuls in bf16, the state in fp32, as the plain rule runs them), with bf16 q, k, v as
-    the model's projections give them: the output and final state are the plain rule's bits under autocast, and the
-    error of every gradient against the fp32 plain rule is at most BF16_ERROR_FACTOR times the plain rule's own error
-    under autocast."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hand_backward_bf16_autocast(length, dtype):
+    """Under bf16 autocast (the matmuls in bf16, the state in fp32, as the plain rule runs them), with q, k, v in bf16
+    (as the model's projections give them) or fp32: the output and final state are the plain rule's bits under
+    autocast, and the error of every gradient against the fp32 plain rule is at most BF16_ERROR_FACTOR times the plain
+    rule's own error under autocast."""
     inputs = _inputs(length, initial=True, seed=4)
     rounded = [x.detach().to(torch.bfloat16).float().requires_grad_() if i < 3 else x for i, x in enumerate(inputs)]
     exact = _run(torch_gated_delta_rule, rounded)
-    low = [x.detach().to(torch.bfloat16).requires_grad_() if i < 3 else x for i, x in enumerate(inputs)]
+    low = [x.detach().to(dtype).requires_grad_() if i < 3 else x for i, x in enumerate(rounded)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = _run(torch_gated_delta_rule, low)
         ours = _run(hand_backward_gated_delta_rule, low)
-    assert ours[0].dtype == torch.bfloat16 and torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    assert ours[0].dtype == dtype and torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
     for mine, plain, fp32 in zip(ours[2], ref[2], exact[2], strict=True):
         assert mine.dtype == plain.dtype
         plain_error = _rel(plain, fp32)

@@ -245,8 +245,8 @@ def hand_backward_gated_delta_rule(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """`torch_gated_delta_rule` with a hand-written backward (`_DeltaRuleFunction`): what `gated_delta_rule` runs on
     the torch path when autograd records (the reverse pass of exact mode). Same arguments, results and mathematics;
-    the key-head repeat, the L2 norms and the fp32 conversions stay in autograd around it. Under autocast its matmuls
-    take and return the autocast dtype as the plain rule's do (their fp32 sums are rounded once, at the output)."""
+    the key-head repeat, the L2 norms and the fp32 conversions stay in autograd around it. Output and final state are
+    the plain rule's bits, also under autocast (matmuls in the autocast dtype, the state in fp32)."""
     out_dtype = (key if query is None else query).dtype
     device_type = key.device.type
     low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -282,8 +282,8 @@ def _from_blocks(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
 
 def _delta_rule_terms(query, key, value, g, beta, low) -> types.SimpleNamespace:
     """The within-block terms of `_DeltaRuleFunction` for every block at once, `[N, B * H, block, ...]`: the
-    mathematics and operations of `_blocked` and `_block_terms` (the two triangular solves as one, their right-hand
-    sides side by side). Inputs as `_DeltaRuleFunction` takes them."""
+    mathematics and operations of `_blocked` and `_block_terms`, laid out for the scan. Inputs as
+    `_DeltaRuleFunction` takes them."""
     block, k_dim = DELTA_RULE_BLOCK, key.shape[-1]
     t = types.SimpleNamespace(q=None, q_d=None, intra=None)
     t.k, t.v, t.beta, g = (_to_blocks(x, block) for x in (key, value, beta, g))
@@ -336,8 +336,8 @@ class _DeltaRuleFunction(torch.autograd.Function):
 
     Inputs as `_heads_fp32` returns them, in fp32: query (None: the final state alone) and key `[B, H, T, Dk]`
     (L2-normalized, not scaled), value `[B, H, T, Dv]`, g and beta `[B, H, T]`, the initial state `[B, H, Dk, Dv]`
-    (None: zeros); `low`: the autocast dtype of the matmuls (None: fp32). Returns the output `[B, H, T, Dv]` fp32
-    (None without query) and the final state `[B, H, Dk, Dv]` fp32.
+    (None: zeros); `low`: the autocast dtype of the matmuls (None: fp32). Returns the output `[B, H, T, Dv]` (fp32, or
+    `low`; None without query) and the final state `[B, H, Dk, Dv]` fp32.
     """
 
     @staticmethod
@@ -362,7 +362,8 @@ class _DeltaRuleFunction(torch.autograd.Function):
             out = None
             if query is not None:
                 out = _matmul(t.q_d, states[:-1], low) + _matmul(t.intra, v_new, low)
-                out = _from_blocks(out, batch, length)
+                # Under autocast the plain rule adds the two matmuls' results in their dtype.
+                out = _from_blocks(out if low is None else out.to(low), batch, length)
         ctx.save_for_backward(*(getattr(t, name) for name in _SAVED_TERMS), v_new, states)
         ctx.low, ctx.shape = low, (batch, heads, length, k_dim, v_dim)
         return out, states[-1].reshape(batch, heads, k_dim, v_dim).clone()
