@@ -39,9 +39,20 @@ its inputs chunk by chunk; autograd turns both into full-size buffers per chunk,
 with the length of the forward. `torch_gated_delta_rule` below is the same algorithm with `unbind`/`stack`, whose
 backward is linear, so the cost of exact mode is linear in the prompt length for any chunk size. Without autograd
 (prefill, scoring) it builds its within-block `[B, H, n, 64, 64]` terms for groups of blocks no larger than the
-chunk's values, so a chunk's transient memory stays that of its inputs (same bits as building them at once). On CUDA,
-when `fla` is installed (the `[cuda]` extra), flash-linear-attention's kernels run the delta rule for bf16 or fp16
-inputs (it rejects fp32) and the causal conv, both from the recorded state and both differentiable in it.
+chunk's values, so a chunk's transient memory stays that of its inputs (same bits as building them at once).
+
+When autograd records (the chunk forwards of exact mode's reverse pass), the torch path runs
+`hand_backward_gated_delta_rule`: the same rule as an autograd Function with a hand-written backward
+(`_DeltaRuleFunction`), the decomposition of fla's chunked backward (per-block states kept, a reverse scan of the
+state's gradient, everything else for all blocks at once) in plain torch operations. fla's own kernels need CUDA and
+Triton; on CPU, autograd through `torch_gated_delta_rule` records some ten small operations per 64-token block and
+runs twice as many in backward, while the Function's backward runs three per block and everything else for all
+blocks at once. Its forward runs the plain rule's operations, so outputs and states are the plain rule's bits (the
+prefill, without autograd, runs the plain rule). `torch_gated_delta_rule` stays as the plain reference
+(tests/test_gdn_backward.py compares outputs, final state and every input gradient).
+
+On CUDA, when `fla` is installed (the `[cuda]` extra), flash-linear-attention's kernels run the delta rule for bf16 or
+fp16 inputs (it rejects fp32) and the causal conv, both from the recorded state and both differentiable in it.
 """
 
 from __future__ import annotations
@@ -224,6 +235,220 @@ def _block_terms(
     return query, key, intra, new_values, k_cumdecay, block_decay
 
 
+def hand_backward_gated_delta_rule(
+    query: torch.Tensor | None,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`torch_gated_delta_rule` with a hand-written backward (`_DeltaRuleFunction`): what `gated_delta_rule` runs on
+    the torch path when autograd records (the reverse pass of exact mode). Same arguments, results and mathematics;
+    the key-head repeat, the L2 norms and the fp32 conversions stay in autograd around it. Output and final state are
+    the plain rule's bits, also under autocast (matmuls in the autocast dtype, the state in fp32)."""
+    out_dtype = (key if query is None else query).dtype
+    device_type = key.device.type
+    low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    query, key, value, g, beta = _heads_fp32(query, key, value, g, beta)
+    state = None if initial_state is None else initial_state.to(torch.float32)
+    out, state = _DeltaRuleFunction.apply(query, key, value, g, beta, state, low)
+    if out is None:
+        return None, state
+    return out.transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format), state
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, low: torch.dtype | None) -> torch.Tensor:
+    """`a @ b` in fp32; or as autocast runs it in dtype `low` (operands and result rounded to `low`), returned in
+    fp32."""
+    return a @ b if low is None else (a.to(low) @ b.to(low)).float()
+
+
+def _to_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """`[B, H, T, ...]` -> `[N, B * H, block, ...]`, contiguous and zero-padded to whole blocks (k = 0 and g = 0 leave
+    the state unchanged): the layout of `_DeltaRuleFunction`, in which block `i` of every head is the slab `x[i]`."""
+    pad = (block - x.shape[2] % block) % block
+    if pad:  # F.pad copies even when there is nothing to pad
+        x = F.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
+    x = x.reshape(x.shape[0] * x.shape[1], -1, block, *x.shape[3:])
+    return x.transpose(0, 1).contiguous()
+
+
+def _from_blocks(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """The inverse of `_to_blocks`: `[N, B * H, block, ...]` -> `[B, H, T, ...]`."""
+    x = x.transpose(0, 1).flatten(1, 2)[:, :length]
+    return x.reshape(batch, -1, *x.shape[1:])
+
+
+def _delta_rule_terms(query, key, value, g, beta, low) -> types.SimpleNamespace:
+    """The within-block terms of `_DeltaRuleFunction` for every block at once, `[N, B * H, block, ...]`: the
+    mathematics and operations of `_blocked` and `_block_terms`, laid out for the scan. Inputs as
+    `_DeltaRuleFunction` takes them."""
+    block, k_dim = DELTA_RULE_BLOCK, key.shape[-1]
+    t = types.SimpleNamespace(q=None, q_d=None, intra=None)
+    t.k, t.v, t.beta, g = (_to_blocks(x, block) for x in (key, value, beta, g))
+    t.k_beta = t.k * t.beta.unsqueeze(-1)
+    v_beta = t.v * t.beta.unsqueeze(-1)
+    cum = g.cumsum(dim=-1)
+    t.cum_exp = cum.exp().unsqueeze(-1)
+    # exp(c_i - c_j) on and below the diagonal; above it the exponent is >= 0 (it may overflow to inf), and tril_
+    # writes zeros over it: the bits of the plain rule's masked_fill(-inf).exp().
+    t.pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).exp_().tril_()
+    t.ut_system = _matmul(t.k_beta, t.k.transpose(-1, -2), low).mul_(t.pairwise)
+    t.k_cum = t.k_beta * t.cum_exp
+    # The UT-transformed values and key decays (two solves, as the plain rule: one solve of both side by side gives
+    # other bits, and the prefill's records come from the plain rule).
+    t.u = torch.linalg.solve_triangular(t.ut_system, v_beta, upper=False, unitriangular=True)
+    t.w = torch.linalg.solve_triangular(t.ut_system, t.k_cum, upper=False, unitriangular=True)
+    t.to_end = (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    t.k_d = t.k * t.to_end
+    t.decay = cum[..., -1].exp()[..., None, None]
+    if query is not None:
+        t.q = _to_blocks(query, block) * k_dim**-0.5
+        t.q_d = t.q * t.cum_exp
+        t.intra = _matmul(t.q, t.k.transpose(-1, -2), low).mul_(t.pairwise)
+    return t
+
+
+# The terms `_DeltaRuleFunction` saves for its backward (with `v_new` and the per-block states).
+_SAVED_TERMS = (
+    "k", "v", "beta", "q", "k_beta", "cum_exp", "pairwise", "ut_system", "k_cum", "u", "w", "to_end", "k_d", "decay",
+    "q_d", "intra",
+)  # fmt: skip
+
+
+class _DeltaRuleFunction(torch.autograd.Function):
+    """The chunked gated delta rule of `torch_gated_delta_rule` with a hand-written backward.
+
+    Per block of 64 tokens and head (`c` the cumulative log-decay within the block, `P_ij = exp(c_i - c_j)` for
+    `j <= i`, else 0): the UT transform `L = I + strict_lower((beta k k^T) * P)`, `u = L^-1 (beta v)`, `w = L^-1
+    (beta k exp(c))`; the scan over blocks `v_new = u - w S`, `S' = exp(c_last) S + k_d^T v_new` with `k_d = k
+    exp(c_last - c)`; the output `o = (q exp(c)) S + ((q k^T) * P) v_new`.
+
+    Forward (no graph): the block terms for every block at once, the scan (five operations per block), then the
+    outputs of every block at once; the operations of the plain rule, so its output and final state are the same bits
+    (in fp32 and under autocast), as `prefill_attention_reuse` needs: the prefill runs the plain rule without autograd
+    and the reverse pass this one. Saved: the block terms, `v_new` and the state at the start of every block (no more
+    than the plain rule's autograd saves). Backward: the reverse scan of the state's gradient (three operations per
+    block: `dv_new = (q k^T * P)^T do + k_d dS'`, `dS = exp(c_last) dS' + (q exp(c))^T do - w^T dv_new`), then every
+    other gradient for every block at once, the UT transform's through one transposed triangular solve. The plain
+    rule records about ten operations per block in its forward and runs twice as many in its backward.
+
+    Inputs as `_heads_fp32` returns them, in fp32: query (None: the final state alone) and key `[B, H, T, Dk]`
+    (L2-normalized, not scaled), value `[B, H, T, Dv]`, g and beta `[B, H, T]`, the initial state `[B, H, Dk, Dv]`
+    (None: zeros); `low`: the autocast dtype of the matmuls (None: fp32). Returns the output `[B, H, T, Dv]` (fp32, or
+    `low`; None without query) and the final state `[B, H, Dk, Dv]` fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, g, beta, initial_state, low):
+        ctx.set_materialize_grads(False)
+        batch, heads, length, k_dim = key.shape
+        v_dim = value.shape[-1]
+        with torch.autocast(key.device.type, enabled=False):
+            t = _delta_rule_terms(query, key, value, g, beta, low)
+            # states[i]: the state at the start of block i, states[-1] the final one.
+            states = key.new_empty(t.u.shape[0] + 1, batch * heads, k_dim, v_dim)
+            states[0] = 0 if initial_state is None else initial_state.reshape(batch * heads, k_dim, v_dim)
+            v_new = torch.empty_like(t.u)
+            # The plain rule's operations (a fused baddbmm would round differently), so that the outputs and states
+            # are its bits: the prefill runs the plain rule, and prefill_attention_reuse keeps its attention outputs.
+            w, k_dt = t.w, t.k_d.transpose(-1, -2)
+            if low is not None:
+                w, k_dt = w.to(low), k_dt.to(low)
+            for i in range(v_new.shape[0]):
+                torch.sub(t.u[i], _matmul(w[i], states[i], low), out=v_new[i])
+                torch.add(states[i] * t.decay[i], _matmul(k_dt[i], v_new[i], low), out=states[i + 1])
+            out = None
+            if query is not None:
+                out = _matmul(t.q_d, states[:-1], low) + _matmul(t.intra, v_new, low)
+                # Under autocast the plain rule adds the two matmuls' results in their dtype.
+                out = _from_blocks(out if low is None else out.to(low), batch, length)
+        ctx.save_for_backward(*(getattr(t, name) for name in _SAVED_TERMS), v_new, states)
+        ctx.low, ctx.shape = low, (batch, heads, length, k_dim, v_dim)
+        return out, states[-1].reshape(batch, heads, k_dim, v_dim).clone()
+
+    @staticmethod
+    def backward(ctx, d_out, d_final):
+        low = ctx.low
+        batch, heads, length, k_dim, v_dim = ctx.shape
+        *terms, v_new, states = ctx.saved_tensors
+        t = types.SimpleNamespace(**dict(zip(_SAVED_TERMS, terms, strict=True)))
+        starts, block = states[:-1], DELTA_RULE_BLOCK
+        with torch.autocast(states.device.type, enabled=False):
+            # From the outputs: into v_new (through the intra-block attention) and into each block's start state.
+            d_o = None if d_out is None else _to_blocks(d_out.to(states.dtype), block)
+            if d_o is None:
+                from_out, into_state = torch.zeros_like(v_new), torch.zeros_like(starts)
+            else:
+                from_out = _matmul(t.intra.transpose(-1, -2), d_o, low)
+                into_state = _matmul(t.q_d.transpose(-1, -2), d_o, low)
+            # d_states[i]: the gradient of the state at the start of block i (d_states[-1]: of the final state).
+            d_states = torch.empty_like(states)
+            d_states[-1] = 0 if d_final is None else d_final.reshape(d_states.shape[1:])
+            d_v_new = torch.empty_like(v_new)
+            if low is None:
+                w_t = t.w.transpose(-1, -2)
+                for i in reversed(range(v_new.shape[0])):
+                    torch.baddbmm(from_out[i], t.k_d[i], d_states[i + 1], out=d_v_new[i])
+                    carried = torch.addcmul(into_state[i], d_states[i + 1], t.decay[i])
+                    torch.baddbmm(carried, w_t[i], d_v_new[i], alpha=-1, out=d_states[i])
+            else:
+                k_d, w_t = t.k_d.to(low), t.w.transpose(-1, -2).to(low)
+                for i in reversed(range(v_new.shape[0])):
+                    d_v_new[i] = from_out[i] + (k_d[i] @ d_states[i + 1].to(low)).float()
+                    carried = torch.addcmul(into_state[i], d_states[i + 1], t.decay[i])
+                    d_states[i] = carried - (w_t[i] @ d_v_new[i].to(low)).float()
+            del from_out, into_state
+            ends = d_states[1:]  # the gradient of the state at the end of each block
+            d_decay = (ends * starts).sum((-1, -2))
+            d_k_d = _matmul(v_new, ends.transpose(-1, -2), low)
+            d_w = _matmul(d_v_new, starts.transpose(-1, -2), low).neg_()
+            # The UT transform: x = L^-1 r gives dr = L^-T dx and dL = -dr x^T, of which the strictly lower part
+            # (the solve reads neither the diagonal nor the upper triangle).
+            d_rhs = torch.linalg.solve_triangular(
+                t.ut_system.transpose(-1, -2), torch.cat([d_v_new, d_w], -1), upper=True, unitriangular=True
+            )
+            del d_v_new, d_w
+            d_ut = (d_rhs @ torch.cat([t.u, t.w], -1).transpose(-1, -2).neg_()).tril_(-1)
+            d_v_beta, d_k_cum = d_rhs.split([v_dim, k_dim], dim=-1)
+            # The gradients of the products k_beta k^T and q k^T, stacked `[..., 2 block, block]`, so that their
+            # matmuls with k (into k_beta and q) and their transposed ones (into k, summed) run once each.
+            products = d_ut.new_empty(*d_ut.shape[:-2], block * (1 if d_o is None else 2), block)
+            torch.mul(d_ut, t.pairwise, out=products[..., :block, :])
+            # The gradient of P's exponents: d(P_ij) P_ij, with P's uses (k_beta k^T) * P and (q k^T) * P.
+            d_exponents = d_ut.mul_(t.ut_system)
+            d_cum = -(d_k_d * t.k_d).sum(-1)
+            d_last = -d_cum.sum(-1) + d_decay * t.decay[..., 0, 0]
+            d_cum += (d_k_cum * t.k_cum).sum(-1)
+            left = t.k_beta
+            if d_o is not None:
+                d_intra = _matmul(d_o, v_new.transpose(-1, -2), low)
+                torch.mul(d_intra, t.pairwise, out=products[..., block:, :])
+                d_exponents.addcmul_(d_intra, t.intra)
+                del d_intra
+                d_q_d = _matmul(d_o, starts.transpose(-1, -2), low)
+                d_cum += (d_q_d * t.q_d).sum(-1)
+                left = torch.cat([t.k_beta, t.q], dim=-2)
+            into_left = _matmul(products, t.k, low)  # [d k_beta; d q] through the products
+            d_k = _matmul(products.transpose(-1, -2), left, low) + d_k_d * t.to_end
+            del products
+            d_k_beta = into_left[..., :block, :] + d_k_cum * t.cum_exp
+            d_q = None
+            if d_o is not None:
+                d_q = (into_left[..., block:, :] + d_q_d * t.cum_exp) * k_dim**-0.5
+            d_cum += d_exponents.sum(-1) - d_exponents.sum(-2)
+            d_cum[..., -1] += d_last
+            # c = cumsum(g): the gradient of g_j sums that of every c_i with i >= j.
+            d_g = d_cum.flip(-1).cumsum(-1).flip(-1)
+            d_k += d_k_beta * t.beta.unsqueeze(-1)
+            d_beta = (d_k_beta * t.k).sum(-1) + (d_v_beta * t.v).sum(-1)
+            d_v = d_v_beta * t.beta.unsqueeze(-1)
+            grads = [None if x is None else _from_blocks(x, batch, length) for x in (d_q, d_k, d_v, d_g, d_beta)]
+            d_initial = d_states[0].reshape(batch, heads, k_dim, v_dim) if ctx.needs_input_grad[5] else None
+        return (*grads, d_initial, None)
+
+
 def _fla(kernel, query, key, value, g, beta, initial_state) -> tuple[torch.Tensor, torch.Tensor]:
     """Calls an fla gated-delta-rule `kernel` (chunked or fused recurrent) with q/k L2-normalized in the kernel.
     Shapes as in `torch_gated_delta_rule`; returns the output and the fp32 final state `[B, Hv, Dk, Dv]`."""
@@ -255,7 +480,8 @@ def gated_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """`torch_gated_delta_rule`, or the flash-linear-attention kernel for bf16/fp16 CUDA inputs when installed.
+    """`torch_gated_delta_rule`, or the flash-linear-attention kernel for bf16/fp16 CUDA inputs when installed; on the
+    torch path when autograd records, `hand_backward_gated_delta_rule` (the same rule, with a hand-written backward).
 
     Shapes as in `torch_gated_delta_rule`; the final state is fp32 `[B, Hv, Dk, Dv]`. With `query` None, the final
     state alone (the kernel, which always computes an output, gets the keys as queries: the state does not read them).
@@ -264,6 +490,11 @@ def gated_delta_rule(
         queries = key if query is None else query
         out, state = _fla(fla_chunk_gated_delta_rule, queries, key, value, g, beta, initial_state)
         return (None if query is None else out), state
+    recording = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (query, key, value, g, beta, initial_state) if x is not None
+    )
+    if recording:
+        return hand_backward_gated_delta_rule(query, key, value, g, beta, initial_state)
     return torch_gated_delta_rule(query, key, value, g, beta, initial_state)
 
 
