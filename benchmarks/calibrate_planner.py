@@ -356,14 +356,14 @@ def live_at_peak(fn, depth: int = 3) -> tuple[int, dict[tuple[str, int], int], o
     return top, dict(sorted(sites.items(), key=lambda kv: -kv[0][1] * kv[1])), out
 
 
-def rss_peak(fn) -> tuple[int, object]:
-    """`(peak VmRSS while fn() runs, its result)`: a thread samples VmRSS every 0.2 ms (torch releases the GIL in its
-    ops; resetting the kernel's high-water mark is not allowed everywhere)."""
-    top, done = [_status("VmRSS")], threading.Event()
+def _sampled_max(read, fn) -> tuple[int, object]:
+    """`(the largest read() while fn() runs, fn()'s result)`: a thread samples `read` every 0.2 ms (torch releases the
+    GIL in its ops), also once before and once after."""
+    top, done = [read()], threading.Event()
 
     def sample():
         while not done.is_set():
-            top[0] = max(top[0], _status("VmRSS"))
+            top[0] = max(top[0], read())
             time.sleep(0.0002)
 
     thread = threading.Thread(target=sample)
@@ -373,12 +373,18 @@ def rss_peak(fn) -> tuple[int, object]:
     finally:
         done.set()
         thread.join()
-    return max(top[0], _status("VmRSS")), out
+    return max(top[0], read()), out
+
+
+def rss_peak(fn) -> tuple[int, object]:
+    """`(peak VmRSS while fn() runs, its result)`, sampled (`_sampled_max`: resetting the kernel's high-water mark is
+    not allowed everywhere)."""
+    return _sampled_max(lambda: _status("VmRSS"), fn)
 
 
 def malloc_peak(fn) -> tuple[int, object]:
     """`(peak growth of the bytes that glibc's malloc has handed out, in every thread, while fn() runs, its result)`:
-    a thread samples `mallinfo2()` (small blocks in use plus mmap'd ones) every 0.2 ms. Unlike the profiler's
+    `mallinfo2()` (small blocks in use plus mmap'd ones) sampled (`_sampled_max`). Unlike the profiler's
     allocation events (`allocated_peak`), it sees the frees made in gloo's worker threads, which drop the last
     reference to a collective's tensors at times; unlike the resident set, it counts pages never touched."""
     import ctypes
@@ -398,21 +404,8 @@ def malloc_peak(fn) -> tuple[int, object]:
         return info.uordblks + info.hblkhd
 
     start = used()
-    top, done = [start], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            top[0] = max(top[0], used())
-            time.sleep(0.0002)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
-    try:
-        out = fn()
-    finally:
-        done.set()
-        thread.join()
-    return max(top[0], used()) - start, out
+    top, out = _sampled_max(used, fn)
+    return top - start, out
 
 
 def cpu_case(family: str, held_out: bool = False, trace: str | None = None, sharded: int = 0) -> list[dict]:
