@@ -554,16 +554,22 @@ def cpu_predicted(measurements: list[dict]) -> list[dict]:
     return rows
 
 
-def cpu_measurements(only: list[str] | None = None) -> list[dict]:
-    """Every CPU case (or those of the families `only`), each in a fresh process (run side by side: each measures
-    only itself)."""
-    env = dict(
+def _case_env() -> dict:
+    """The environment of a measuring process: one thread, and glibc returning large blocks at once (so that the
+    resident set follows what is allocated)."""
+    return dict(
         os.environ,
         OMP_NUM_THREADS="1",
         MALLOC_MMAP_THRESHOLD_="65536",
         MALLOC_TRIM_THRESHOLD_="0",
         PYTHONPATH=str(ROOT),
     )
+
+
+def cpu_measurements(only: list[str] | None = None) -> list[dict]:
+    """Every CPU case (or those of the families `only`), each in a fresh process (run side by side: each measures
+    only itself)."""
+    env = _case_env()
     cases = [(family, []) for family in CPU_WIDTHS] + [(family, ["--held-out"]) for family in CPU_HELD_OUT]
     cases = [(family, flags) for family, flags in cases if not only or family in only]
     procs = [
@@ -590,13 +596,7 @@ def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
     """The sharded CPU cases (`cpu_case` with `sharded`) of `families` at prompt lengths `sizes`, one `torchrun`
     launch of `SHARDED_WORLD` processes each, one after the other (each rank measures itself; both ranks of a launch
     share the machine's cores): every rank's rows, each with the launch's time and load."""
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        MALLOC_MMAP_THRESHOLD_="65536",
-        MALLOC_TRIM_THRESHOLD_="0",
-        PYTHONPATH=str(ROOT),
-    )
+    env = _case_env()
     rows = []
     for family in families:
         for p in sizes:
