@@ -119,6 +119,11 @@ def _heads_fp32(
     return query, l2norm(key, dim=-1, eps=1e-6), value, g, beta
 
 
+def _recording(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an operation on `tensors` (None entries ignored)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors if x is not None)
+
+
 def torch_gated_delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -155,9 +160,7 @@ def torch_gated_delta_rule(
     # (prefill, scoring), for groups of blocks whose such tensor is no larger than the layer's values `[B, H, T, Dv]`,
     # the inputs converted group by group too, so that the transient memory of a chunk does not exceed its inputs'.
     # Every operation before the scan is per token or per block, so the results are the same bits.
-    recording = torch.is_grad_enabled() and any(
-        x.requires_grad for x in (query, key, value, g, beta, initial_state) if x is not None
-    )
+    recording = _recording(query, key, value, g, beta, initial_state)
     per_group = blocks if recording else max(1, blocks * v_dim // block)
     upper = torch.ones(block, block, dtype=torch.bool, device=key.device).triu(1)
 
@@ -490,10 +493,7 @@ def gated_delta_rule(
         queries = key if query is None else query
         out, state = _fla(fla_chunk_gated_delta_rule, queries, key, value, g, beta, initial_state)
         return (None if query is None else out), state
-    recording = torch.is_grad_enabled() and any(
-        x.requires_grad for x in (query, key, value, g, beta, initial_state) if x is not None
-    )
-    if recording:
+    if _recording(query, key, value, g, beta, initial_state):
         return hand_backward_gated_delta_rule(query, key, value, g, beta, initial_state)
     return torch_gated_delta_rule(query, key, value, g, beta, initial_state)
 
