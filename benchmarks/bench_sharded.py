@@ -25,6 +25,12 @@ gradient reduction runs in its C++ reducer, outside these marks: the last segmen
 Each process runs one torch thread, so the 2-process setups use the 2 cores of the machine. The driver prints a table
 with the ratios to `1 process` and writes `benchmarks/SHARDED.md`.
 
+Repeats (`--repeat N`): single runs of the same configuration vary by up to 15% on an idle 2-core machine, so the
+driver can run every setup N times, interleaved (`1 process`, `sharded x2`, `1 process`, `sharded x2`, ..., each
+launch in fresh processes), so that a drift of the machine's speed reaches every setup alike. With N > 1 a table cell
+of the wall, CPU and critical-path figures reads `median (min-max)` over the N runs; every other figure is the
+median, and every ratio is the ratio of the medians. The JSON file keeps every run (`repeat`: its index).
+
 Priority: Linux's autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`) shares the CPU between sessions,
 and `nice` only orders the processes inside one. `torchrun` starts each worker in a session of its own, so every
 worker, in every setup, competes as one session; each sets its session's nice to its own (`_session_priority`), so
@@ -33,6 +39,7 @@ machine (otherwise each would run at the default session nice of 0 whatever the 
 
     python benchmarks/bench_sharded.py                       # llama and qwen3_5, P in {8K, 32K}
     python benchmarks/bench_sharded.py --family llama --P 4096 --setup "1 process" --setup "sharded x2"
+    python benchmarks/bench_sharded.py --family qwen3_5 --P 32768 --setup "1 process" --setup "sharded x2" --repeat 3
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -231,9 +239,30 @@ def run(args, model_path: str, family: str, setup: str, p: int) -> dict:
     return record
 
 
+SPREAD = ("time_s", "cpu_s", "critical_s")  # the figures shown with their spread over repeats
+
+
+def cell(runs: list[dict]) -> dict:
+    """One table cell from the N runs of one configuration: the median of every figure (a list-valued figure, such
+    as `load`, is kept from the first run), and `<key>_range` = (min, max) of the figures in `SPREAD`."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and key != "repeat":
+            out[key] = statistics.median(r[key] for r in runs)
+    for key in SPREAD:
+        out[key + "_range"] = (min(r[key] for r in runs), max(r[key] for r in runs))
+    return out
+
+
 def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
+    """The markdown table of one family: one row per (P, setup), figures from `cell` (one run: the run itself)."""
+
     def get(setup, p):
-        return next(r for r in records if r["family"] == family and r["setup"] == setup and r["P"] == p)
+        return cell([r for r in records if r["family"] == family and r["setup"] == setup and r["P"] == p])
+
+    def fig(r: dict, key: str) -> str:
+        low, high = r[key + "_range"]
+        return f"{r[key]:.2f}" if low == high else f"{r[key]:.2f} ({low:.2f}-{high:.2f})"
 
     lines = [
         f"### {family}",
@@ -248,11 +277,11 @@ def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
         for setup in setups:
             r = get(setup, p)
             lines.append(
-                f"| {p:,} | {setup} | {r['time_s']:.2f} | {r['cpu_s']:.2f} | {r['prefill_s']:.2f} "
+                f"| {p:,} | {setup} | {fig(r, 'time_s')} | {fig(r, 'cpu_s')} | {r['prefill_s']:.2f} "
                 f"| {r['reverse_s']:.2f} | {r['mlp_tokens']:,.0f} | {r['state_bytes'] / 2**20:.1f} "
                 f"| {r['growth_bytes'] / 2**20:.1f} | {r['state_bytes'] / one['state_bytes']:.2f}x "
                 f"| {r['growth_bytes'] / one['growth_bytes']:.2f}x | {r['time_s'] / one['time_s']:.2f}x "
-                f"| {r['cpu_s'] / one['cpu_s']:.2f}x | {r['critical_s']:.2f} | {r['wait_s']:.2f} "
+                f"| {r['cpu_s'] / one['cpu_s']:.2f}x | {fig(r, 'critical_s')} | {r['wait_s']:.2f} "
                 f"| {r['critical_s'] / one['cpu_s']:.2f}x |"
             )
     return lines + [""]
@@ -269,6 +298,7 @@ def main(argv=None) -> None:
     parser.add_argument("--C", type=int, default=16, help="longest completion")
     parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size")
     parser.add_argument("--setup", action="append", choices=list(SETUPS), help="setups (repeatable); default all")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every setup, interleaved (median and spread)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per launch")
     parser.add_argument("--out", default=str(HERE / "SHARDED.md"), help="results file")
     args = parser.parse_args(argv)
@@ -283,14 +313,17 @@ def main(argv=None) -> None:
     setups = [setup for setup in SETUPS if setup in (args.setup or SETUPS)]
     if "1 process" not in setups:
         parser.error("the ratios need the '1 process' setup")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     sizes = args.P or [8192, 32768]
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
             path = str(save_tiny_model(Path(tmp) / family, family))
             for p in sizes:
-                for setup in setups:
-                    records.append(run(args, path, family, setup, p))
+                for repeat in range(args.repeat):  # interleaved: every setup once per repeat
+                    for setup in setups:
+                        records.append({**run(args, path, family, setup, p), "repeat": repeat})
     command = "python benchmarks/bench_sharded.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     lines = [
         "# Sharded prompt state on 2 CPU processes",
@@ -302,6 +335,11 @@ def main(argv=None) -> None:
         "models (`trl_longstraw.testing`). Per process: the larger of the two ranks. See the script's docstring.",
         "",
     ]
+    if args.repeat > 1:
+        lines[-2] += (
+            f" {args.repeat} runs of every setup, interleaved, each in fresh processes: step, CPU and critical-path "
+            "figures are `median (min-max)` over the runs, every other figure the median, ratios of the medians."
+        )
     for family in families:
         lines += table(records, family, setups)
     Path(args.out).write_text("\n".join(lines))
