@@ -600,7 +600,7 @@ def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
     rows = []
     for family in families:
         for p in sizes:
-            when = dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
+            when = _when()
             command = [*_torchrun(), __file__, "--case", family, "--sharded", str(p)]
             result = subprocess.run(command, env=env, capture_output=True, text=True)
             if result.returncode:
@@ -609,6 +609,18 @@ def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
             rows += [dict(m, **when) for m in fresh]
             print(f"  {family} sharded P={p}: {[round(m['measured'] / MIB, 1) for m in fresh]} MiB", file=sys.stderr)
     return rows
+
+
+def _when() -> dict:
+    """The time, load average and this process's nice value (`os.nice(0)`: the measuring processes inherit it) of a
+    measurement, for its provenance line."""
+    return dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(), nice=os.nice(0))
+
+
+def _nice(m: dict) -> str:
+    """`nice -n N ` as a measurement recorded it (`_when`); empty for nice 0 and for measurements stored before the
+    value was recorded."""
+    return f"nice -n {m['nice']} " if m.get("nice") else ""
 
 
 def _torchrun() -> list[str]:
@@ -688,11 +700,11 @@ def sharded_section(measurements: list[dict]) -> list[str]:
     ]
     launches = {}
     for m in measurements:
-        launches.setdefault((m["family"], m["time"], tuple(m["load_average"])), []).append(m["P"])
-    for (family, when, load), sizes in launches.items():
+        launches.setdefault((m["family"], m["time"], tuple(m["load_average"]), _nice(m)), []).append(m["P"])
+    for (family, when, load, nice), sizes in launches.items():
         flags = "".join(f" --sharded {p}" for p in dict.fromkeys(sizes))
         md.append(
-            f"- {family}: measured by `OMP_NUM_THREADS=1 nice -n 5 python benchmarks/calibrate_planner.py --only "
+            f"- {family}: measured by `OMP_NUM_THREADS=1 {nice}python benchmarks/calibrate_planner.py --only "
             f"{family}{flags}` at {when} (load average {', '.join(f'{x:.1f}' for x in load)})."
         )
     md += ["", *lines, ""]
@@ -708,10 +720,13 @@ def sharded_section(measurements: list[dict]) -> list[str]:
         "  beside the gated MLP's phase, and the widened Gated DeltaNet phase (`plan.prefill_bytes` with `widened`)",
         "  is the other candidate; at these widths the exchange's phase is the larger on both families.",
         "- The reverse pass: a qwen3_5 rank peaks in the MLP backward beside the widened delta rule's graph (traced),",
-        "  an attention layer's exchange in its own backward; the planner takes the larger of the two phases. llama,",
-        "  whose layers are all attention, adds the exchange to its inventory, whose MLP backward tensors are mostly",
-        "  gone when the exchange runs (above the target where the ratio says so: the safe side; its attention",
-        "  backward is not itemized apart yet). On CUDA the multiples take the exchange and the widening as a sum.",
+        "  an attention layer's exchange in its own backward; the planner takes the larger of the two phases. A llama",
+        "  rank, whose layers are all attention, peaks in an attention layer's backward at its final all-to-all, the",
+        "  MLP backward's tensors gone: the chunk's own tensors, the layer's recomputed graph and gradients",
+        "  (`plan.round_attention_bytes`, read off `--trace llama --sharded 8192`, rank 0, at `CPU_WIDTHS`: its",
+        "  count exactly, and `--widths llama-3`: 4.6% below, a second receive buffer live there) and the exchange.",
+        "  Before, the planner added the exchange to the MLP-phase inventory: 1.187 / 1.118 at 8K / 16K (llama rows",
+        "  measured at 08:27 / 08:28 UTC). On CUDA the multiples take the exchange and the widening as a sum.",
         "- Measured after main's change that makes sharded prompt passes compute the last layer's records alone",
         "  (97b1479). Before it, both qwen3_5 ranks also held the last layer's recomputed query side in the reverse",
         "  pass (about 14 MiB here, traced), and the prefill's exchange peaked in the last layer.",
@@ -777,7 +792,8 @@ def main() -> None:
             return
         cpu_case(args.trace, trace=args.widths, sharded=sharded)
         return
-    command = "OMP_NUM_THREADS=1 python benchmarks/calibrate_planner.py" + (" --gpu-only" if args.gpu_only else "")
+    command = f"OMP_NUM_THREADS=1 {_nice(_when())}python benchmarks/calibrate_planner.py"
+    command += " --gpu-only" if args.gpu_only else ""
     command += " --stored" if args.stored and not args.gpu_only else ""
     command += "".join(f" --only {family}" for family in args.only or ()) if not args.stored else ""
     command += "".join(f" --sharded {p}" for p in args.sharded or ()) if not args.stored else ""
@@ -833,33 +849,31 @@ def main() -> None:
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         elif args.only:
             stored = json.loads(CPU_JSON.read_text())
-            when = dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
+            when = _when()
             fresh = [dict(m, **when) for m in cpu_measurements(args.only)]
             kept = [m for m in stored["measurements"] if m["family"] not in args.only]
             order = [(f, h) for h in (False, True) for f in CPU_WIDTHS]  # the full run's order
             stored["measurements"] = sorted(kept + fresh, key=lambda m: order.index((m["family"], m["held_out"])))
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         else:
-            stored = dict(
-                time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                load_average=os.getloadavg(),
-                measurements=cpu_measurements(),
-            )
+            stored = dict(**_when(), measurements=cpu_measurements())
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         lines, cpu = table(cpu_predicted(stored["measurements"]), MIB, "MiB")
         load = ", ".join(f"{x:.1f}" for x in stored["load_average"])
         md += [
-            "Measured by `OMP_NUM_THREADS=1 nice -n 10 python benchmarks/calibrate_planner.py` at "
+            f"Measured by `OMP_NUM_THREADS=1 {_nice(stored)}python benchmarks/calibrate_planner.py` at "
             f"{stored['time']} (load average {load} on 2 cores; allocated bytes do not depend on the load),",
             f"stored in `{CPU_JSON.name}`; the predictions are the current planner's (`--stored`).",
         ]
         for family in CPU_WIDTHS:
             again = {
-                m["time"]: m["load_average"] for m in stored["measurements"] if m["family"] == family and "time" in m
+                m["time"]: (m["load_average"], _nice(m))
+                for m in stored["measurements"]
+                if m["family"] == family and "time" in m
             }
-            for when, load in again.items():
+            for when, (load, nice) in again.items():
                 md.append(
-                    f"The {family} rows were measured again by `OMP_NUM_THREADS=1 nice -n 10 python "
+                    f"The {family} rows were measured again by `OMP_NUM_THREADS=1 {nice}python "
                     f"benchmarks/calibrate_planner.py --only {family}` at {when} "
                     f"(load average {', '.join(f'{x:.1f}' for x in load)})."
                 )

@@ -970,7 +970,7 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
             if exact and device == "cuda":  # the multiples take the exchange and the widening
                 expected = _item(single, "chunk activations") + chunk * wider + exchange + gathered + records
             elif exact:  # the larger of the widened rule's phase and an attention layer's backward with its exchange
-                attention = plan.reverse_bytes(qwen, b, device, mixers=("attention",))
+                attention = plan.round_attention_bytes(qwen, b)
                 widened = chunk * plan.reverse_bytes(qwen, b, device, widened=True) + tiles
                 expected = max(widened, chunk * attention + tiles + exchange)
                 assert widened - _item(single, "chunk activations") == chunk * wider + gathered + records
@@ -992,6 +992,41 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
         kept = _item(estimate(llama, u), "chunk activations")
         kept -= _item(estimate(llama, replace(u, attention_reuse=False)), "chunk activations")
         assert kept == chunk * (outputs * width + lses * 4), width
+
+
+def test_context_parallel_reverse_pass_peaks_in_an_attention_backward():
+    """On CPU, a rank of a context-parallel round whose layers are all attention (llama) peaks in the reverse pass in
+    an attention layer's backward at its exchange, where the MLP backward's tensors are gone (traced,
+    `plan.ROUND_ATTENTION_HIDDEN`): the chunk's own tensors, the layer's recomputed graph and gradients, and the
+    exchange; not the MLP-phase inventory plus the exchange. The prefill keeps the exchange beside its phase."""
+    b, chunk, layers = 4, 1024, 2
+    hidden, heads, kv_heads, head_dim = 96, 3, 1, 32
+    widths = dict(
+        hidden_size=hidden,
+        intermediate_size=160,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+    )
+    _, llama = _tiny_stats("llama", num_hidden_layers=layers, **widths)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    # The chunk's own: embeddings and layer outputs, kept attention outputs and log-sum-exps, K and V records, RoPE's
+    # cos and sin, the position ids.
+    own = ((1 + layers) * hidden + layers * q + layers * 2 * kv) * b + layers * heads * 4 + 2 * head_dim * 4 + 8
+    # The layer's: the input norm's two tensors and the incoming gradient; 11.5 query-wide tensors (1.5 of them fp32
+    # accumulators); 8 key-value-wide ones.
+    layer = 3 * hidden * b + 10 * q * b + 3 * q * 4 // 2 + 8 * kv * b
+    assert plan.round_attention_bytes(llama, b) == own + layer
+    setup = Setup(positions=20 * chunk, prefill_chunk_size=chunk, gpus=2, shard_prompt_state=True, compute_bytes=b)
+    setup = replace(setup, fsdp=False, device="cpu")
+    exact = _item(estimate(llama, replace(setup, mode="exact")), "chunk activations")
+    exchange = plan.context_parallel_exchange(llama, 2, chunk, b, autograd=True)
+    mlp_phase = chunk * plan.reverse_bytes(llama, b, "cpu")
+    assert exact == max(mlp_phase, chunk * (own + layer) + exchange) == chunk * (own + layer) + exchange
+    assert exact < mlp_phase + exchange
+    detached = _item(estimate(llama, replace(setup, mode="detached")), "chunk activations")
+    forward = plan.context_parallel_exchange(llama, 2, chunk, b, autograd=False)
+    assert detached == plan.prefill_bytes(llama, b, chunk) + forward
 
 
 def test_widened_delta_rule_prefill_matches_the_allocated_peak():

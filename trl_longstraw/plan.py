@@ -646,6 +646,21 @@ def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int, widened: bool = F
     return (queries * stats.attention_heads * stats.head_dim + 2 * stats.kv_width) * b
 
 
+def _reverse_chunk_bytes(stats: ModelStats, b: int) -> int:
+    """Per chunk token, the chunk's own tensors in the CPU reverse pass (see `REVERSE_CHUNK_RESIDUALS`): the
+    embeddings, each layer's checkpointed output, each attention layer's kept output, log-sum-exp and recomputed K and
+    V records, RoPE's cos and sin and the position ids."""
+    outputs, lses = stats.kept_attention
+    return (
+        (REVERSE_CHUNK_RESIDUALS + stats.num_layers) * stats.hidden_size * b
+        + outputs * b
+        + lses * 4
+        + stats.layer_kinds.count("attention") * 2 * stats.kv_width * b
+        + 2 * stats.head_dim * 4
+        + 8
+    )
+
+
 def reverse_bytes(
     stats: ModelStats, compute_bytes: int, device: str, widened: bool = False, mixers: tuple[str, ...] = ()
 ) -> int | None:
@@ -657,16 +672,7 @@ def reverse_bytes(
     s, b = stats, compute_bytes
     if device != "cpu" or s.num_experts or not s.intermediate_size or not s.layer_kinds:
         return None
-    outputs, lses = s.kept_attention
-    attention_layers = s.layer_kinds.count("attention")
-    chunk = (
-        (REVERSE_CHUNK_RESIDUALS + s.num_layers) * s.hidden_size * b
-        + outputs * b
-        + lses * 4
-        + attention_layers * 2 * s.kv_width * b
-        + 2 * s.head_dim * 4
-        + 8
-    )
+    chunk = _reverse_chunk_bytes(s, b)
     last, earlier = s.layer_kinds[-1], set(s.layer_kinds[:-1])
     live = (
         REVERSE_LIVE_RESIDUALS * s.hidden_size * b
@@ -674,6 +680,44 @@ def reverse_bytes(
         + max(_reverse_mixer_bytes(s, kind, b, widened) for kind in mixers or earlier or {last})
     )
     return chunk + live
+
+
+# The CPU reverse pass of a context-parallel round (`sharding._ShardedPrefixAttention`) peaks, on a model whose layers
+# are all attention (llama), in the backward of an attention layer at its final all-to-all, not in the MLP backward:
+# the MLP's tensors are gone by then. Beside the chunk's own tensors (`_reverse_chunk_bytes`) and the exchange
+# (`context_parallel_exchange`), the layer's recomputed graph and its backward's own tensors, per chunk token (traced:
+# `benchmarks/calibrate_planner.py --trace llama --sharded 8192`, at `CPU_WIDTHS` and `--widths llama-3`, rank 0):
+# - `ROUND_ATTENTION_HIDDEN` `[T, H]`: the recomputed input norm's two tensors and the incoming gradient;
+# - `ROUND_ATTENTION_QUERY` `[T, Hq D]` (compute dtype): the recomputed rotated query, the output projection's input
+#   gradient, the own causal part's kernel gradients of the query and of the keys and values repeated to the query
+#   heads (3), those repeated keys and values (2), the output gradient's copy, and the parts' gradient sums (2); and
+#   `ROUND_ATTENTION_QUERY_ACC` `[T, Hq D]` in the accumulation dtype (fp32): the query gradient, and half a chunk's
+#   for the later rank's first queries (`_RoundSplit`);
+# - `ROUND_ATTENTION_KV` `[T, Hkv D]`: the recomputed key and value, their copies, and the parts' key and value
+#   gradients and their sums (4).
+# At `CPU_WIDTHS` this is the traced live set's count exactly; at `llama-3` (Hq D = 192, Hkv D = 96) 4.6% below it,
+# where the peak comes while a second all-to-all receive buffer `W (Hq D + 2 Hkv D)` is live. A model type with
+# more query-side tensors (`REVERSE_ATTENTION_QUERY_TENSORS`: qwen3_5's gated query) adds them.
+ROUND_ATTENTION_HIDDEN = 3
+ROUND_ATTENTION_QUERY = 10
+ROUND_ATTENTION_QUERY_ACC = 1.5
+ROUND_ATTENTION_KV = 8
+
+
+def round_attention_bytes(stats: ModelStats, compute_bytes: int) -> int:
+    """Bytes per chunk token of the CPU reverse pass in an attention layer's backward of a context-parallel round
+    (see `ROUND_ATTENTION_HIDDEN`), the exchange (`context_parallel_exchange`) aside: the chunk's own tensors and the
+    layer's graph and gradients, attention outputs included (as `reverse_bytes`)."""
+    s, b = stats, compute_bytes
+    queries = ROUND_ATTENTION_QUERY + REVERSE_ATTENTION_QUERY_TENSORS.get(s.model_type, 2) - 2
+    q = s.attention_heads * s.head_dim
+    return (
+        _reverse_chunk_bytes(s, b)
+        + ROUND_ATTENTION_HIDDEN * s.hidden_size * b
+        + queries * q * b
+        + int(ROUND_ATTENTION_QUERY_ACC * q * max(b, 4))
+        + ROUND_ATTENTION_KV * s.kv_width * b
+    )
 
 
 def exchange_rows(stats: ModelStats, rows: int) -> int:
@@ -1299,8 +1343,6 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # time exchanges the round's queries and partial outputs.
         cp_exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
         scored += f" + {_size(cp_exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
-        if not widened:
-            tiles, cp_exchange = tiles + cp_exchange, 0
     if widened:
         # One DeltaNet layer's all-gather of every rank's final state and transition.
         gathered = round_states_bytes(s, state_parts)
@@ -1355,12 +1397,13 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             reverse_per_token += wider * (1 if checkpointed else s.layer_kinds.count("linear_attention"))
         activations = chunk * reverse_per_token + tiles + cp_exchange
         if cp_exchange and itemized is not None:
-            # With Gated DeltaNet layers the attention layers' exchange happens in their backward, beside their own
-            # saved tensors, not the widened rule's (traced): the larger of the two phases. The CUDA multiples, per
-            # layer of any kind, take the sum.
-            attention = reverse_bytes(s, u.compute_bytes, u.device, mixers=("attention",))
-            widened_phase = chunk * reverse_per_token + tiles
-            activations = max(widened_phase, chunk * (attention - reuse + allocated) + tiles + cp_exchange)
+            # The attention layers' exchange happens in their backward, beside their own graph and gradients
+            # (`round_attention_bytes`), not the MLP backward's or the widened rule's (traced): the larger of the two
+            # phases. The CUDA multiples, per layer of any kind, take the sum.
+            attention = chunk * (round_attention_bytes(s, u.compute_bytes) - reuse + allocated) + tiles + cp_exchange
+            activations = max(chunk * reverse_per_token + tiles, attention)
+            if attention > chunk * reverse_per_token + tiles:
+                scored += f" (the peak: an attention layer's backward in the round, {_size(attention)} in all)"
         items.append(
             Item(
                 "chunk activations",
@@ -1386,7 +1429,9 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         if forward is None:
             forward = chunk * int(no_grad * s.layer_activation_elems * u.compute_bytes)
         activations = forward + tiles
-        if cp_exchange:
+        if not widened:  # the exchange beside the chunk's phase
+            activations += cp_exchange
+        elif cp_exchange:
             # The Gated DeltaNet phase and an attention layer's exchange never coexist: the exchange goes beside the
             # gated MLP's phase (which the attention layer's own tensors stay below).
             mlp = prefill_bytes(s, u.compute_bytes, chunk, mixers=False)
