@@ -1029,6 +1029,37 @@ def test_context_parallel_reverse_pass_peaks_in_an_attention_backward():
     assert detached == plan.prefill_bytes(llama, b, chunk) + forward
 
 
+def test_delta_rule_saved_tensors_are_counted():
+    """The CPU reverse inventory counts what the hand-written delta rule (`qwen3_5._DeltaRuleFunction`) saves for its
+    backward (`plan.delta_rule_saved_bytes`): its saved tensors, read off the graph, byte for byte (a length that is
+    not a multiple of the block), and the Gated DeltaNet mixer is those plus what the layer keeps around the rule."""
+    from trl_longstraw.qwen3_5 import _DeltaRuleFunction
+
+    heads, k_dim, v_dim, tokens = 3, 16, 24, 200
+    torch.manual_seed(0)
+    query, key = (torch.nn.functional.normalize(torch.randn(1, heads, tokens, k_dim), dim=-1) for _ in range(2))
+    value = torch.randn(1, heads, tokens, v_dim, requires_grad=True)
+    g, beta = -torch.rand(1, heads, tokens), torch.rand(1, heads, tokens)
+    out, _ = _DeltaRuleFunction.apply(query, key, value, g, beta, None, None)
+    saved = sum(t.nbytes for t in out.grad_fn.saved_tensors)
+    assert plan.delta_rule_saved_bytes(tokens, heads, k_dim, v_dim) == saved
+    widths = dict(hidden_size=96, intermediate_size=160, num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+    gdn = dict(
+        linear_num_key_heads=1, linear_num_value_heads=heads, linear_key_head_dim=k_dim, linear_value_head_dim=v_dim
+    )
+    _, qwen = _tiny_stats(
+        "qwen3_5", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], **widths, **gdn
+    )
+    conv_dim = qwen.delta_rule[3]
+    around = plan.REVERSE_DELTA_RULE
+    per_token = around["conv"] * conv_dim * 4 + heads * 4 * (
+        around["value"] * v_dim + around["key"] * k_dim + around["scalars"]
+    )
+    blocks = tokens // 64 * 64  # whole blocks: the per-token count
+    rule = plan.delta_rule_saved_bytes(blocks, heads, k_dim, v_dim) - heads * 4 * (k_dim * v_dim + blocks // 64)
+    assert blocks * plan._reverse_mixer_bytes(qwen, "linear_attention", 4) == blocks * per_token + rule
+
+
 def test_widened_delta_rule_prefill_matches_the_allocated_peak():
     """The no-grad delta rule's count (`plan.delta_rule_prefill_bytes`: plain, and widened by Dk with the widened
     values beside it) against the peak that PyTorch's CPU allocator reaches in `torch_gated_delta_rule` and in
