@@ -592,6 +592,17 @@ def cpu_measurements(only: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def _when() -> dict:
+    """When a measurement was taken: UTC time, load average and this process's nice value (the launched cases
+    inherit it), for the provenance lines."""
+    return dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(), nice=os.nice(0))
+
+
+def _command(nice: int | None) -> str:
+    """The measuring command's prefix, with the nice value it ran at where one was recorded and not 0."""
+    return "OMP_NUM_THREADS=1 " + (f"nice -n {nice} " if nice else "") + "python benchmarks/calibrate_planner.py"
+
+
 def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
     """The sharded CPU cases (`cpu_case` with `sharded`) of `families` at prompt lengths `sizes`, one `torchrun`
     launch of `SHARDED_WORLD` processes each, one after the other (each rank measures itself; both ranks of a launch
@@ -609,18 +620,6 @@ def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
             rows += [dict(m, **when) for m in fresh]
             print(f"  {family} sharded P={p}: {[round(m['measured'] / MIB, 1) for m in fresh]} MiB", file=sys.stderr)
     return rows
-
-
-def _when() -> dict:
-    """The time, load average and this process's nice value (`os.nice(0)`: the measuring processes inherit it) of a
-    measurement, for its provenance line."""
-    return dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(), nice=os.nice(0))
-
-
-def _nice(m: dict) -> str:
-    """`nice -n N ` as a measurement recorded it (`_when`); empty for nice 0 and for measurements stored before the
-    value was recorded."""
-    return f"nice -n {m['nice']} " if m.get("nice") else ""
 
 
 def _torchrun() -> list[str]:
@@ -700,12 +699,12 @@ def sharded_section(measurements: list[dict]) -> list[str]:
     ]
     launches = {}
     for m in measurements:
-        launches.setdefault((m["family"], m["time"], tuple(m["load_average"]), _nice(m)), []).append(m["P"])
+        launches.setdefault((m["family"], m["time"], tuple(m["load_average"]), m.get("nice")), []).append(m["P"])
     for (family, when, load, nice), sizes in launches.items():
         flags = "".join(f" --sharded {p}" for p in dict.fromkeys(sizes))
         md.append(
-            f"- {family}: measured by `OMP_NUM_THREADS=1 {nice}python benchmarks/calibrate_planner.py --only "
-            f"{family}{flags}` at {when} (load average {', '.join(f'{x:.1f}' for x in load)})."
+            f"- {family}: measured by `{_command(nice)} --only {family}{flags}` at {when} "
+            f"(load average {', '.join(f'{x:.1f}' for x in load)})."
         )
     md += ["", *lines, ""]
     md.append(
@@ -720,13 +719,11 @@ def sharded_section(measurements: list[dict]) -> list[str]:
         "  beside the gated MLP's phase, and the widened Gated DeltaNet phase (`plan.prefill_bytes` with `widened`)",
         "  is the other candidate; at these widths the exchange's phase is the larger on both families.",
         "- The reverse pass: a qwen3_5 rank peaks in the MLP backward beside the widened delta rule's graph (traced),",
-        "  an attention layer's exchange in its own backward; the planner takes the larger of the two phases. A llama",
-        "  rank, whose layers are all attention, peaks in an attention layer's backward at its final all-to-all, the",
-        "  MLP backward's tensors gone: the chunk's own tensors, the layer's recomputed graph and gradients",
-        "  (`plan.round_attention_bytes`, read off `--trace llama --sharded 8192`, rank 0, at `CPU_WIDTHS`: its",
-        "  count exactly, and `--widths llama-3`: 4.6% below, a second receive buffer live there) and the exchange.",
-        "  Before, the planner added the exchange to the MLP-phase inventory: 1.187 / 1.118 at 8K / 16K (llama rows",
-        "  measured at 08:27 / 08:28 UTC). On CUDA the multiples take the exchange and the widening as a sum.",
+        "  an attention layer's exchange in its own backward; the planner takes the larger of the two phases. llama,",
+        "  whose layers are all attention, peaks at the exchange in an attention layer's backward, beside that",
+        "  layer's graph and its own gradients (`plan.reverse_exchange_bytes`, counted from `--trace llama --sharded",
+        "  8192`: the MLP's tensors of that layer are gone by then; counting them, as the planner did before, gave",
+        "  1.187 / 1.118). On CUDA the multiples take the exchange and the widening as a sum.",
         "- Measured after main's change that makes sharded prompt passes compute the last layer's records alone",
         "  (97b1479). Before it, both qwen3_5 ranks also held the last layer's recomputed query side in the reverse",
         "  pass (about 14 MiB here, traced), and the prefill's exchange peaked in the last layer.",
@@ -792,8 +789,7 @@ def main() -> None:
             return
         cpu_case(args.trace, trace=args.widths, sharded=sharded)
         return
-    command = f"OMP_NUM_THREADS=1 {_nice(_when())}python benchmarks/calibrate_planner.py"
-    command += " --gpu-only" if args.gpu_only else ""
+    command = _command(os.nice(0)) + (" --gpu-only" if args.gpu_only else "")
     command += " --stored" if args.stored and not args.gpu_only else ""
     command += "".join(f" --only {family}" for family in args.only or ()) if not args.stored else ""
     command += "".join(f" --sharded {p}" for p in args.sharded or ()) if not args.stored else ""
@@ -856,25 +852,24 @@ def main() -> None:
             stored["measurements"] = sorted(kept + fresh, key=lambda m: order.index((m["family"], m["held_out"])))
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         else:
-            stored = dict(**_when(), measurements=cpu_measurements())
+            stored = dict(_when(), measurements=cpu_measurements())
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         lines, cpu = table(cpu_predicted(stored["measurements"]), MIB, "MiB")
         load = ", ".join(f"{x:.1f}" for x in stored["load_average"])
         md += [
-            f"Measured by `OMP_NUM_THREADS=1 {_nice(stored)}python benchmarks/calibrate_planner.py` at "
+            f"Measured by `{_command(stored.get('nice'))}` at "
             f"{stored['time']} (load average {load} on 2 cores; allocated bytes do not depend on the load),",
             f"stored in `{CPU_JSON.name}`; the predictions are the current planner's (`--stored`).",
         ]
         for family in CPU_WIDTHS:
             again = {
-                m["time"]: (m["load_average"], _nice(m))
+                m["time"]: (m["load_average"], m.get("nice"))
                 for m in stored["measurements"]
                 if m["family"] == family and "time" in m
             }
             for when, (load, nice) in again.items():
                 md.append(
-                    f"The {family} rows were measured again by `OMP_NUM_THREADS=1 {nice}python "
-                    f"benchmarks/calibrate_planner.py --only {family}` at {when} "
+                    f"The {family} rows were measured again by `{_command(nice)} --only {family}` at {when} "
                     f"(load average {', '.join(f'{x:.1f}' for x in load)})."
                 )
         md += [

@@ -667,21 +667,6 @@ def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int, widened: bool = F
     return (queries * stats.attention_heads * stats.head_dim + 2 * stats.kv_width) * b
 
 
-def _reverse_chunk_bytes(stats: ModelStats, b: int) -> int:
-    """Per chunk token, the chunk's own tensors in the CPU reverse pass (see `REVERSE_CHUNK_RESIDUALS`): the
-    embeddings, each layer's checkpointed output, each attention layer's kept output, log-sum-exp and recomputed K and
-    V records, RoPE's cos and sin and the position ids."""
-    outputs, lses = stats.kept_attention
-    return (
-        (REVERSE_CHUNK_RESIDUALS + stats.num_layers) * stats.hidden_size * b
-        + outputs * b
-        + lses * 4
-        + stats.layer_kinds.count("attention") * 2 * stats.kv_width * b
-        + 2 * stats.head_dim * 4
-        + 8
-    )
-
-
 def reverse_bytes(
     stats: ModelStats, compute_bytes: int, device: str, widened: bool = False, mixers: tuple[str, ...] = ()
 ) -> int | None:
@@ -693,7 +678,16 @@ def reverse_bytes(
     s, b = stats, compute_bytes
     if device != "cpu" or s.num_experts or not s.intermediate_size or not s.layer_kinds:
         return None
-    chunk = _reverse_chunk_bytes(s, b)
+    outputs, lses = s.kept_attention
+    attention_layers = s.layer_kinds.count("attention")
+    chunk = (
+        (REVERSE_CHUNK_RESIDUALS + s.num_layers) * s.hidden_size * b
+        + outputs * b
+        + lses * 4
+        + attention_layers * 2 * s.kv_width * b
+        + 2 * s.head_dim * 4
+        + 8
+    )
     last, earlier = s.layer_kinds[-1], set(s.layer_kinds[:-1])
     live = (
         REVERSE_LIVE_RESIDUALS * s.hidden_size * b
@@ -705,42 +699,37 @@ def reverse_bytes(
     return chunk + live
 
 
-# The CPU reverse pass of a context-parallel round (`sharding._ShardedPrefixAttention`) peaks, on a model whose layers
-# are all attention (llama), in the backward of an attention layer at its final all-to-all, not in the MLP backward:
-# the MLP's tensors are gone by then. Beside the chunk's own tensors (`_reverse_chunk_bytes`) and the exchange
-# (`context_parallel_exchange`), the layer's recomputed graph and its backward's own tensors, per chunk token (traced:
-# `benchmarks/calibrate_planner.py --trace llama --sharded 8192`, at `CPU_WIDTHS` and `--widths llama-3`, rank 0):
-# - `ROUND_ATTENTION_HIDDEN` `[T, H]`: the recomputed input norm's two tensors and the incoming gradient;
-# - `ROUND_ATTENTION_QUERY` `[T, Hq D]` (compute dtype): the recomputed rotated query, the output projection's input
-#   gradient, the own causal part's kernel gradients of the query and of the keys and values repeated to the query
-#   heads (3), those repeated keys and values (2), the output gradient's copy, and the parts' gradient sums (2); and
-#   `ROUND_ATTENTION_QUERY_ACC` `[T, Hq D]` in the accumulation dtype (fp32): the query gradient, and half a chunk's
-#   for the later rank's first queries (`_RoundSplit`);
-# - `ROUND_ATTENTION_KV` `[T, Hkv D]`: the recomputed key and value, their copies, and the parts' key and value
-#   gradients and their sums (4).
-# At `CPU_WIDTHS` this is the traced live set's count exactly; at `llama-3` (Hq D = 192, Hkv D = 96) 4.6% below it,
-# where the peak comes while a second all-to-all receive buffer `W (Hq D + 2 Hkv D)` is live. A model type with
-# more query-side tensors (`REVERSE_ATTENTION_QUERY_TENSORS`: qwen3_5's gated query) adds them.
-ROUND_ATTENTION_HIDDEN = 3
-ROUND_ATTENTION_QUERY = 10
-ROUND_ATTENTION_QUERY_ACC = 1.5
-ROUND_ATTENTION_KV = 8
+# What a rank holds beside an attention layer's exchange in a context-parallel round of the CPU reverse pass
+# (`sharding._ShardedPrefixAttention.backward`, at its final all-to-all), besides the chunk's own tensors and the
+# exchange (`context_parallel_exchange`): the layer's recomputed graph (the residual stream's
+# `REVERSE_EXCHANGE_RESIDUALS` `[T, H]`: the recomputed input norm's two, the incoming gradient, the gradients of the
+# norm's product and of the output projection's input, and the layer input's gradient accumulator; the token mixer's
+# saved query-side tensors and K and V, `_reverse_mixer_bytes`) and the attention backward's own gradients
+# (`REVERSE_EXCHANGE_QUERY` `[T, Hq * D]`: the own causal part's dq and the repeated keys' and values' dK and dV, the
+# repeated keys and values, the fp32 dq accumulator and its sum; `REVERSE_EXCHANGE_KV` `[T, Hkv * D]`: dK and dV and
+# their sums, the recomputed K projection and RoPE's output and their gradients). The MLP's tensors of the same layer
+# are gone by then (traced: `benchmarks/calibrate_planner.py --trace llama --sharded 8192`, both ranks; the
+# inventory of the MLP's phase, `reverse_bytes`, with the exchange on top was 12-19% above the measured peaks).
+REVERSE_EXCHANGE_RESIDUALS = 6
+REVERSE_EXCHANGE_QUERY = 7
+REVERSE_EXCHANGE_KV = 6
 
 
-def round_attention_bytes(stats: ModelStats, compute_bytes: int) -> int:
-    """Bytes per chunk token of the CPU reverse pass in an attention layer's backward of a context-parallel round
-    (see `ROUND_ATTENTION_HIDDEN`), the exchange (`context_parallel_exchange`) aside: the chunk's own tensors and the
-    layer's graph and gradients, attention outputs included (as `reverse_bytes`)."""
-    s, b = stats, compute_bytes
-    queries = ROUND_ATTENTION_QUERY + REVERSE_ATTENTION_QUERY_TENSORS.get(s.model_type, 2) - 2
-    q = s.attention_heads * s.head_dim
-    return (
-        _reverse_chunk_bytes(s, b)
-        + ROUND_ATTENTION_HIDDEN * s.hidden_size * b
-        + queries * q * b
-        + int(ROUND_ATTENTION_QUERY_ACC * q * max(b, 4))
-        + ROUND_ATTENTION_KV * s.kv_width * b
+def reverse_exchange_bytes(stats: ModelStats, compute_bytes: int, device: str) -> int | None:
+    """Bytes per chunk token that a rank holds in the CPU reverse pass beside an attention layer's exchange of a
+    context-parallel round (`REVERSE_EXCHANGE_RESIDUALS`), the exchange itself excluded; None where `reverse_bytes`
+    is (the CUDA multiples take the exchange as a sum)."""
+    full = reverse_bytes(stats, compute_bytes, device, mixers=("attention",))
+    if full is None:
+        return None
+    s = stats
+    mlp_phase = REVERSE_LIVE_RESIDUALS * s.hidden_size + REVERSE_MLP_LIVE * s.intermediate_size
+    exchange_phase = (
+        REVERSE_EXCHANGE_RESIDUALS * s.hidden_size
+        + REVERSE_EXCHANGE_QUERY * s.attention_heads * s.head_dim
+        + REVERSE_EXCHANGE_KV * s.kv_width
     )
+    return full + (exchange_phase - mlp_phase) * compute_bytes
 
 
 def exchange_rows(stats: ModelStats, rows: int) -> int:
@@ -1366,6 +1355,8 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # time exchanges the round's queries and partial outputs.
         cp_exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
         scored += f" + {_size(cp_exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
+        if not widened and not exact:
+            tiles, cp_exchange = tiles + cp_exchange, 0
     if widened:
         # One DeltaNet layer's all-gather of every rank's final state and transition.
         gathered = round_states_bytes(s, state_parts)
@@ -1420,13 +1411,12 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             reverse_per_token += wider * (1 if checkpointed else s.layer_kinds.count("linear_attention"))
         activations = chunk * reverse_per_token + tiles + cp_exchange
         if cp_exchange and itemized is not None:
-            # The attention layers' exchange happens in their backward, beside their own graph and gradients
-            # (`round_attention_bytes`), not the MLP backward's or the widened rule's (traced): the larger of the two
-            # phases. The CUDA multiples, per layer of any kind, take the sum.
-            attention = chunk * (round_attention_bytes(s, u.compute_bytes) - reuse + allocated) + tiles + cp_exchange
-            activations = max(chunk * reverse_per_token + tiles, attention)
-            if attention > chunk * reverse_per_token + tiles:
-                scored += f" (the peak: an attention layer's backward in the round, {_size(attention)} in all)"
+            # The attention layers' exchange happens in their backward, beside their own graph and gradients, after
+            # the MLP's tensors of the same layer and before the next layer's (`reverse_exchange_bytes`, traced): the
+            # larger of the two phases. The CUDA multiples, per layer of any kind, take the sum.
+            attention = reverse_exchange_bytes(s, u.compute_bytes, u.device)
+            other_phase = chunk * reverse_per_token + tiles
+            activations = max(other_phase, chunk * (attention - reuse + allocated) + tiles + cp_exchange)
         items.append(
             Item(
                 "chunk activations",
@@ -1452,9 +1442,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         if forward is None:
             forward = chunk * int(no_grad * s.layer_activation_elems * u.compute_bytes)
         activations = forward + tiles
-        if not widened:  # the exchange beside the chunk's phase
-            activations += cp_exchange
-        elif cp_exchange:
+        if cp_exchange:
             # The Gated DeltaNet phase and an attention layer's exchange never coexist: the exchange goes beside the
             # gated MLP's phase (which the attention layer's own tensors stay below).
             mlp = prefill_bytes(s, u.compute_bytes, chunk, mixers=False)
