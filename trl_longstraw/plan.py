@@ -596,8 +596,8 @@ def round_states_bytes(stats: ModelStats, world: int) -> int:
 # MLP, final norm or token-mixer output, whose graph the backward would never consume), and the backward consumes
 # the graph of its records before reaching layer L-2 (traced: the 4 `[T, H]` and 4 `[T, I]` tensors and the last
 # mixer's saved tensors that it kept before are gone, and so are the final norm's input and output). A last
-# attention layer with an output gate (qwen3_5) still holds `REVERSE_LAST_GATE_TENSORS` `[T, Hq * D]` there (traced
-# at two sets of widths, with the hand-written delta rule: the gate's sigmoid, the gated output and a copy).
+# attention layer's output projection returns zeros too, so a gated attention's query projection, gate and gated
+# output are freed at once (traced: they were live at the peak before, 10 MiB of qwen3_5's 137 at `CPU_WIDTHS`).
 # The CUDA reverse pass keeps the activation multiples (`ACTIVATION_MULTIPLES`), calibrated on the GPU check.
 REVERSE_CHUNK_RESIDUALS = 1
 REVERSE_LIVE_RESIDUALS = 6
@@ -609,7 +609,6 @@ REVERSE_ATTENTION_QUERY_TENSORS = {"llama": 2, "qwen3_5_text": 7, "qwen3_5": 7}
 # Around the hand-written delta rule (traced, `--trace qwen3_5` at two sets of widths; was `conv=3, value=8, key=12,
 # blocks=5, scalars=10` with autograd through the plain rule, which saved more).
 REVERSE_DELTA_RULE = dict(conv=2, value=6, key=2, scalars=6)
-REVERSE_LAST_GATE_TENSORS = {"qwen3_5_text": 3, "qwen3_5": 3}
 # What `qwen3_5._DeltaRuleFunction` saves (`qwen3_5._SAVED_TERMS`, `v_new` and the states), per token and value head:
 # `[Dk]` vectors (key, scaled query, k_beta, k_beta exp(c), w, k_d, q exp(c)), `[block]` rows (the decays `P`, the UT
 # system, the intra-block scores), scalars (beta, exp(c), exp(c_last - c)), `REVERSE_WIDENED_VALUES` `[Dv]` vectors,
@@ -694,8 +693,6 @@ def reverse_bytes(
         + REVERSE_MLP_LIVE * s.intermediate_size * b
         + max(_reverse_mixer_bytes(s, kind, b, widened) for kind in mixers or earlier or {last})
     )
-    if last == "attention":
-        live += REVERSE_LAST_GATE_TENSORS.get(s.model_type, 0) * s.attention_heads * s.head_dim * b
     return chunk + live
 
 
