@@ -592,6 +592,20 @@ def cpu_measurements(only: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def _when() -> dict:
+    """What a measurement records of its run: the time, the load average and this process's nice value (the
+    measuring processes inherit it)."""
+    return dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(), nice=os.nice(0))
+
+
+def _launch(nice: int | None) -> str:
+    """The start of a provenance line's command, with the nice value that the run recorded (`_when`); runs stored
+    before it was recorded say so."""
+    if nice is None:
+        return "OMP_NUM_THREADS=1 (nice value not recorded) python"
+    return "OMP_NUM_THREADS=1 " + (f"nice -n {nice} " if nice else "") + "python"
+
+
 def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
     """The sharded CPU cases (`cpu_case` with `sharded`) of `families` at prompt lengths `sizes`, one `torchrun`
     launch of `SHARDED_WORLD` processes each, one after the other (each rank measures itself; both ranks of a launch
@@ -600,7 +614,7 @@ def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
     rows = []
     for family in families:
         for p in sizes:
-            when = dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
+            when = _when()
             command = [*_torchrun(), __file__, "--case", family, "--sharded", str(p)]
             result = subprocess.run(command, env=env, capture_output=True, text=True)
             if result.returncode:
@@ -668,6 +682,16 @@ def table(rows: list[dict], unit: int, unit_name: str) -> tuple[list[str], list[
     return lines, ratios
 
 
+HAND_NOTES = "## Notes by hand"
+
+
+def hand_notes(path: Path) -> list[str]:
+    """The lines of `path` from its `HAND_NOTES` heading to its end (notes written by hand, which a rewrite of the file
+    from the template keeps), or none."""
+    lines = path.read_text().split("\n") if path.exists() else []
+    return lines[lines.index(HAND_NOTES) :] if HAND_NOTES in lines else []
+
+
 def sharded_section(measurements: list[dict]) -> list[str]:
     """CALIBRATION.md's section of the sharded CPU rows (`sharded_measurements`)."""
     lines, ratios = table(sharded_predicted(measurements), MIB, "MiB")
@@ -688,11 +712,11 @@ def sharded_section(measurements: list[dict]) -> list[str]:
     ]
     launches = {}
     for m in measurements:
-        launches.setdefault((m["family"], m["time"], tuple(m["load_average"])), []).append(m["P"])
-    for (family, when, load), sizes in launches.items():
+        launches.setdefault((m["family"], m["time"], tuple(m["load_average"]), m.get("nice")), []).append(m["P"])
+    for (family, when, load, nice), sizes in launches.items():
         flags = "".join(f" --sharded {p}" for p in dict.fromkeys(sizes))
         md.append(
-            f"- {family}: measured by `OMP_NUM_THREADS=1 nice -n 5 python benchmarks/calibrate_planner.py --only "
+            f"- {family}: measured by `{_launch(nice)} benchmarks/calibrate_planner.py --only "
             f"{family}{flags}` at {when} (load average {', '.join(f'{x:.1f}' for x in load)})."
         )
     md += ["", *lines, ""]
@@ -777,7 +801,7 @@ def main() -> None:
             return
         cpu_case(args.trace, trace=args.widths, sharded=sharded)
         return
-    command = "OMP_NUM_THREADS=1 python benchmarks/calibrate_planner.py" + (" --gpu-only" if args.gpu_only else "")
+    command = f"{_launch(os.nice(0))} benchmarks/calibrate_planner.py" + (" --gpu-only" if args.gpu_only else "")
     command += " --stored" if args.stored and not args.gpu_only else ""
     command += "".join(f" --only {family}" for family in args.only or ()) if not args.stored else ""
     command += "".join(f" --sharded {p}" for p in args.sharded or ()) if not args.stored else ""
@@ -833,33 +857,31 @@ def main() -> None:
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         elif args.only:
             stored = json.loads(CPU_JSON.read_text())
-            when = dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
+            when = _when()
             fresh = [dict(m, **when) for m in cpu_measurements(args.only)]
             kept = [m for m in stored["measurements"] if m["family"] not in args.only]
             order = [(f, h) for h in (False, True) for f in CPU_WIDTHS]  # the full run's order
             stored["measurements"] = sorted(kept + fresh, key=lambda m: order.index((m["family"], m["held_out"])))
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         else:
-            stored = dict(
-                time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                load_average=os.getloadavg(),
-                measurements=cpu_measurements(),
-            )
+            stored = dict(**_when(), measurements=cpu_measurements())
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         lines, cpu = table(cpu_predicted(stored["measurements"]), MIB, "MiB")
         load = ", ".join(f"{x:.1f}" for x in stored["load_average"])
         md += [
-            "Measured by `OMP_NUM_THREADS=1 nice -n 10 python benchmarks/calibrate_planner.py` at "
+            f"Measured by `{_launch(stored.get('nice'))} benchmarks/calibrate_planner.py` at "
             f"{stored['time']} (load average {load} on 2 cores; allocated bytes do not depend on the load),",
             f"stored in `{CPU_JSON.name}`; the predictions are the current planner's (`--stored`).",
         ]
         for family in CPU_WIDTHS:
             again = {
-                m["time"]: m["load_average"] for m in stored["measurements"] if m["family"] == family and "time" in m
+                m["time"]: (m["load_average"], m.get("nice"))
+                for m in stored["measurements"]
+                if m["family"] == family and "time" in m
             }
-            for when, load in again.items():
+            for when, (load, nice) in again.items():
                 md.append(
-                    f"The {family} rows were measured again by `OMP_NUM_THREADS=1 nice -n 10 python "
+                    f"The {family} rows were measured again by `{_launch(nice)} "
                     f"benchmarks/calibrate_planner.py --only {family}` at {when} "
                     f"(load average {', '.join(f'{x:.1f}' for x in load)})."
                 )
@@ -929,6 +951,7 @@ def main() -> None:
         ]
         if stored.get("sharded"):
             md += sharded_section(stored["sharded"])
+    md += hand_notes(Path(args.out))
     Path(args.out).write_text("\n".join(md))
     print("\n".join(md))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import os
 import re
 import shlex
 import subprocess
@@ -1316,3 +1317,19 @@ if __name__ == "__main__":
     for config in CONFIGS:
         config.write_text(config_with_planner_output(config.read_text())[0])
         print(f"rewrote the planner output in {config}")
+
+
+def test_calibration_provenance_and_hand_notes(tmp_path):
+    """calibrate_planner records the nice value it really ran at (`os.nice(0)`, not a hard-coded one) in its
+    provenance lines, and a rewrite of CALIBRATION.md keeps the notes under its `HAND_NOTES` heading."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from calibrate_planner import HAND_NOTES, _launch, _when, hand_notes
+
+    assert _when()["nice"] == os.nice(0)
+    assert _launch(7) == "OMP_NUM_THREADS=1 nice -n 7 python"
+    assert _launch(0) == "OMP_NUM_THREADS=1 python"
+    assert "not recorded" in _launch(None)
+    path = tmp_path / "CALIBRATION.md"
+    assert hand_notes(path) == []
+    path.write_text(f"# Planner calibration\n\n| table |\n\n{HAND_NOTES}\n\n- a note\n")
+    assert hand_notes(path) == [HAND_NOTES, "", "- a note", ""]
