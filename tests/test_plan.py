@@ -1333,3 +1333,29 @@ def test_calibration_provenance_and_hand_notes(tmp_path):
     assert hand_notes(path) == []
     path.write_text(f"# Planner calibration\n\n| table |\n\n{HAND_NOTES}\n\n- a note\n")
     assert hand_notes(path) == [HAND_NOTES, "", "- a note", ""]
+
+
+def test_context_parallel_llama_reverse_peaks_in_the_attention_backward():
+    """A context-parallel rank of a model whose layers are all attention (llama) peaks in the CPU reverse pass at an
+    attention layer's backward, whose exchange (`plan.context_parallel_exchange`) goes beside the chunk's tensors and
+    that layer's backward tensors (`plan.REVERSE_ROUND_ATTENTION`, traced at these widths: 3 `[T, H]`, 9 `[T, Hq D]`,
+    9 `[T, Hkv D]`, 3 `[T, Hq]` fp32), not beside the MLP backward's (gone by then); the larger of the two phases."""
+    b, chunk, world = 4, 2048, 2
+    widths = dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, head_dim=48)
+    _, llama = _tiny_stats("llama", num_hidden_layers=2, **widths)
+    setup = Setup(
+        positions=16384, prefill_chunk_size=chunk, gpus=world, compute_bytes=b, device="cpu", shard_prompt_state=True
+    )
+    exchange = plan.context_parallel_exchange(llama, world, chunk, b, autograd=True)
+    # The chunk's tensors: embeddings and two layer outputs, two kept outputs and log-sum-exps, four K and V records,
+    # RoPE's cos and sin, the position ids.
+    chunk_tensors = 3 * 256 * b + 2 * 192 * b + 2 * 4 * 4 + 4 * 96 * b + 2 * 48 * 4 + 8
+    attention = chunk_tensors + (3 * 256 + 9 * 192 + 9 * 96 + 3 * 4) * 4
+    assert plan.reverse_round_attention_bytes(llama, b) == attention
+    kept = llama.kept_attention[0] * b
+    mlp_phase = chunk * (plan.reverse_bytes(llama, b, "cpu") - kept + kept)
+    assert mlp_phase < chunk * attention + exchange < mlp_phase + exchange
+    assert _item(estimate(llama, setup), "chunk activations") == chunk * attention + exchange
+    # One process: the inventory alone (no exchange, no round).
+    one = replace(setup, gpus=1, shard_prompt_state=False)
+    assert _item(estimate(llama, one), "chunk activations") == chunk * plan.reverse_bytes(llama, b, "cpu")

@@ -646,6 +646,46 @@ def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int, widened: bool = F
     return (queries * stats.attention_heads * stats.head_dim + 2 * stats.kv_width) * b
 
 
+def _reverse_chunk_bytes(stats: ModelStats, b: int) -> int:
+    """Per chunk token, the chunk's own tensors in the CPU reverse pass (see `REVERSE_CHUNK_RESIDUALS`): the embeddings
+    and each layer's checkpointed output, each attention layer's kept output, log-sum-exp and K and V records, RoPE's
+    cos and sin and the position ids."""
+    s = stats
+    outputs, lses = s.kept_attention
+    return (
+        (REVERSE_CHUNK_RESIDUALS + s.num_layers) * s.hidden_size * b
+        + outputs * b
+        + lses * 4
+        + s.layer_kinds.count("attention") * 2 * s.kv_width * b
+        + 2 * s.head_dim * 4
+        + 8
+    )
+
+
+# The CPU reverse pass of a context-parallel rank of a model whose layers are all attention (llama) peaks in an
+# attention layer's backward (`sharding._ShardedPrefixAttention.backward`, at its final all-to-all), not in an MLP
+# backward: the MLP's tensors are all gone by then (traced: `benchmarks/calibrate_planner.py --trace llama --widths
+# llama-2 --sharded 16384`, whose widths tell the tensors apart: H = 256, Hq D = 192, Hkv D = 96, Hq = 4). Beside the
+# chunk's own tensors (`_reverse_chunk_bytes`) and the round's exchange (`context_parallel_exchange`), that rank holds
+# `REVERSE_ROUND_ATTENTION`: `[T, H]` tensors (the input norm's two, the residual's gradient), `[T, Hq D]` (the own
+# causal part's three kernel gradients at the query heads, the keys and values repeated to them, the query gradient,
+# the rotated query, the output projection's input gradient, the next layer's query-side gradient), `[T, Hkv D]` (the
+# summed key and value gradients and their copies, the kernel's key-value temporaries, the recomputed K and V, and a
+# key-value gradient of the round), and `[T, Hq]` (the delta and two per-head temporaries); all in fp32 on the traced
+# runs: the round's attention accumulates in fp32 (`sharding._acc`), so they are counted at least 4 bytes wide.
+REVERSE_ROUND_ATTENTION = dict(residuals=3, queries=9, keys=9, heads=3)
+
+
+def reverse_round_attention_bytes(stats: ModelStats, compute_bytes: int) -> int:
+    """Per chunk token, what a context-parallel rank of a model whose layers are all attention holds in the CPU reverse
+    pass at an attention layer's backward (`REVERSE_ROUND_ATTENTION`, the chunk's tensors included), beside the
+    round's exchange (`context_parallel_exchange`, not included)."""
+    s, b, c = stats, compute_bytes, REVERSE_ROUND_ATTENTION
+    acc = max(b, 4)
+    queries = c["queries"] * s.attention_heads * s.head_dim + c["keys"] * s.kv_width + c["heads"] * s.attention_heads
+    return _reverse_chunk_bytes(s, b) + c["residuals"] * s.hidden_size * b + queries * acc
+
+
 def reverse_bytes(
     stats: ModelStats, compute_bytes: int, device: str, widened: bool = False, mixers: tuple[str, ...] = ()
 ) -> int | None:
@@ -657,16 +697,7 @@ def reverse_bytes(
     s, b = stats, compute_bytes
     if device != "cpu" or s.num_experts or not s.intermediate_size or not s.layer_kinds:
         return None
-    outputs, lses = s.kept_attention
-    attention_layers = s.layer_kinds.count("attention")
-    chunk = (
-        (REVERSE_CHUNK_RESIDUALS + s.num_layers) * s.hidden_size * b
-        + outputs * b
-        + lses * 4
-        + attention_layers * 2 * s.kv_width * b
-        + 2 * s.head_dim * 4
-        + 8
-    )
+    chunk = _reverse_chunk_bytes(s, b)
     last, earlier = s.layer_kinds[-1], set(s.layer_kinds[:-1])
     live = (
         REVERSE_LIVE_RESIDUALS * s.hidden_size * b
@@ -1293,14 +1324,14 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
     # rule on values widened by Dk zero columns (`qwen3_5.segment_gated_delta_rule`); the first runs the plain one.
     widened = context_parallel and s.delta_rule[0] > 0
     # The attention layers' exchange of a context-parallel round, when it is not simply added to the chunk's phase.
-    cp_exchange = 0
+    cp_exchange = folded = 0
     if context_parallel:
         # Context-parallel prompt passes: each rank runs its own chunk of a round, and one attention layer at a
         # time exchanges the round's queries and partial outputs.
         cp_exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
         scored += f" + {_size(cp_exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
         if not widened:
-            tiles, cp_exchange = tiles + cp_exchange, 0
+            tiles, cp_exchange, folded = tiles + cp_exchange, 0, cp_exchange
     if widened:
         # One DeltaNet layer's all-gather of every rank's final state and transition.
         gathered = round_states_bytes(s, state_parts)
@@ -1361,6 +1392,13 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             attention = reverse_bytes(s, u.compute_bytes, u.device, mixers=("attention",))
             widened_phase = chunk * reverse_per_token + tiles
             activations = max(widened_phase, chunk * (attention - reuse + allocated) + tiles + cp_exchange)
+        elif folded and itemized is not None:
+            # Attention layers only (llama): the exchange happens in an attention layer's backward, once the MLP
+            # backward's tensors are gone (traced, `REVERSE_ROUND_ATTENTION`): the larger of the two phases.
+            attention = reverse_round_attention_bytes(s, u.compute_bytes) - reuse + allocated
+            activations = max(chunk * reverse_per_token + tiles - folded, chunk * attention + tiles)
+            if chunk * attention > chunk * reverse_per_token - folded:
+                scored += f" (an attention layer's backward: {_size(attention)} per token beside it, the larger phase)"
         items.append(
             Item(
                 "chunk activations",
