@@ -1178,7 +1178,10 @@ def test_cpu_inventories_match_the_allocated_peaks():
         for mode, peak in zip(("detached", "exact"), measured, strict=True):
             budget = predict(config, p, 1, 1, chunk, mode, 4, device="cpu")
             predicted = sum(_item(budget, n) for n in ("prompt state", "prompt state gradient", "chunk activations"))
-            assert 0.95 <= predicted / peak <= 1.10, (family, mode, predicted, peak)
+            # qwen3_5's reverse pass within 5% both ways: its delta rule's count is the hand-written Function's
+            # (`qwen3_5._DeltaRuleFunction`, re-traced), not autograd's through the plain rule (1.070 here).
+            high = 1.05 if (family, mode) == ("qwen3_5", "exact") else 1.10
+            assert 0.95 <= predicted / peak <= high, (family, mode, predicted, peak)
 
 
 def test_malloc_peak_counts_frees_in_other_threads():

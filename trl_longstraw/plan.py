@@ -587,11 +587,14 @@ def round_states_bytes(stats: ModelStats, world: int) -> int:
 # - layer L-2's recomputed graph and the MLP backward's gradients (`REVERSE_LIVE_RESIDUALS` `[T, H]` with the
 #   incoming gradient, `REVERSE_MLP_LIVE` `[T, I]`: gate, up, act(gate) and three gradients), and its token mixer's
 #   saved tensors: an attention layer's (`REVERSE_ATTENTION_QUERY_TENSORS` `[T, q_proj width]`-sized query-side
-#   tensors, per model type, and K and V), or Gated DeltaNet's torch fallback with autograd (`REVERSE_DELTA_RULE`:
-#   conv window, conv output and its activation `[T, conv_dim]`; `[T, Hv, Dv]` tensors (z, its gate, the gated
-#   norm's three, the fp32 value, new values, per-block new values); `[T, Hv, Dk]` fp32 (query, key and their copies,
-#   k_beta, decayed query and key, k_cumdecay, L2-norm temporaries); `[Hv, block, block]` per block (decays, UT
-#   system, intra-block scores); the state after each block `[Hv, Dk, Dv]` per 64 tokens; and per-head scalars).
+#   tensors, per model type, and K and V), or Gated DeltaNet's torch fallback with autograd, whose delta rule is
+#   `qwen3_5._DeltaRuleFunction` (`REVERSE_DELTA_RULE`, re-traced after that Function replaced autograd through the
+#   plain rule: `--trace qwen3_5 --widths qwen3_5`, Hv Dk = 240, Hv Dv = 144, Hv * block = 384, conv_dim = 304):
+#   the conv window and conv output `[T, conv_dim]`; `[T, Hv, Dv]` tensors (z, its gate, the gated norm's three, the
+#   fp32 value and its copy, and the Function's u and v_new); `[T, Hv, Dk]` fp32 (the fp32 query and key copies and a
+#   third, the Function's k_beta, k_cum, k_d, scaled query, q_d and w); `[Hv, block, block]` per block (the
+#   Function's pairwise decays, UT system and intra-block scores); the state at the start of each block `[Hv, Dk, Dv]`
+#   per 64 tokens; and per-head scalars (beta, g's terms, the norms' rsqrt).
 # The last layer adds nothing at the peak: in a prompt pass it computes its records alone (`Engine._records_only`: no
 # MLP, final norm or token-mixer output, whose graph the backward would never consume), and the backward consumes
 # the graph of its records before reaching layer L-2 (traced: the 4 `[T, H]` and 4 `[T, I]` tensors and the last
@@ -604,7 +607,7 @@ REVERSE_MLP_LIVE = 6
 # copies; qwen3_5: also the query projection with its gate `[T, 2 Hq D]`, the q-norm's normalized query, the rotated
 # query, the gate's sigmoid and the gated output). Model types without an entry use llama's.
 REVERSE_ATTENTION_QUERY_TENSORS = {"llama": 2, "qwen3_5_text": 7, "qwen3_5": 7}
-REVERSE_DELTA_RULE = dict(conv=3, value=8, key=12, blocks=5, scalars=10)
+REVERSE_DELTA_RULE = dict(conv=2, value=9, key=9, blocks=3, scalars=9)
 # A later rank of a context-parallel round (`qwen3_5._round_core`) runs the rule on values widened by `Dk` zero columns
 # (`segment_gated_delta_rule`), with autograd: of its saved `[T, Hv, Dv]` fp32 tensors, `REVERSE_WIDENED_VALUES` are
 # `Dv + Dk` wide there (the new values, the per-block new values, and the rule's output, which the carry's view keeps
