@@ -593,17 +593,14 @@ def cpu_measurements(only: list[str] | None = None) -> list[dict]:
 
 
 def _when() -> dict:
-    """What a measurement records of its run: the time, the load average and this process's nice value (the
-    measuring processes inherit it)."""
+    """When a measurement was taken: UTC time, load average and this process's nice value (the launched cases
+    inherit it), for the provenance lines."""
     return dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(), nice=os.nice(0))
 
 
-def _launch(nice: int | None) -> str:
-    """The start of a provenance line's command, with the nice value that the run recorded (`_when`); runs stored
-    before it was recorded say so."""
-    if nice is None:
-        return "OMP_NUM_THREADS=1 (nice value not recorded) python"
-    return "OMP_NUM_THREADS=1 " + (f"nice -n {nice} " if nice else "") + "python"
+def _command(nice: int | None) -> str:
+    """The measuring command's prefix, with the nice value it ran at where one was recorded and not 0."""
+    return "OMP_NUM_THREADS=1 " + (f"nice -n {nice} " if nice else "") + "python benchmarks/calibrate_planner.py"
 
 
 def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
@@ -716,8 +713,8 @@ def sharded_section(measurements: list[dict]) -> list[str]:
     for (family, when, load, nice), sizes in launches.items():
         flags = "".join(f" --sharded {p}" for p in dict.fromkeys(sizes))
         md.append(
-            f"- {family}: measured by `{_launch(nice)} benchmarks/calibrate_planner.py --only "
-            f"{family}{flags}` at {when} (load average {', '.join(f'{x:.1f}' for x in load)})."
+            f"- {family}: measured by `{_command(nice)} --only {family}{flags}` at {when} "
+            f"(load average {', '.join(f'{x:.1f}' for x in load)})."
         )
     md += ["", *lines, ""]
     md.append(
@@ -732,13 +729,11 @@ def sharded_section(measurements: list[dict]) -> list[str]:
         "  beside the gated MLP's phase, and the widened Gated DeltaNet phase (`plan.prefill_bytes` with `widened`)",
         "  is the other candidate; at these widths the exchange's phase is the larger on both families.",
         "- The reverse pass: a qwen3_5 rank peaks in the MLP backward beside the widened delta rule's graph (traced),",
-        "  an attention layer's exchange in its own backward; the planner takes the larger of the two phases. A llama",
-        "  rank peaks in an attention layer's backward at the exchange's final all-to-all, when the MLP backward's",
-        "  tensors are all gone: the planner counts that layer's backward tensors beside the chunk's and the exchange",
-        "  (`plan.REVERSE_ROUND_ATTENTION`, read off `--trace llama --widths llama-2 --sharded 16384`, whose widths",
-        "  tell the tensors apart) and takes the larger of that phase and the MLP backward's. It used to add the",
-        "  exchange to the MLP backward's inventory: 1.187 and 1.118 (outside the target), 1.003 and 0.985 with the",
-        "  new count. On CUDA the multiples take the exchange and the widening as a sum.",
+        "  an attention layer's exchange in its own backward; the planner takes the larger of the two phases. llama,",
+        "  whose layers are all attention, peaks at the exchange in an attention layer's backward, beside that",
+        "  layer's graph and its own gradients (`plan.reverse_exchange_bytes`, counted from `--trace llama --sharded",
+        "  8192`: the MLP's tensors of that layer are gone by then; counting them, as the planner did before, gave",
+        "  1.187 / 1.118). On CUDA the multiples take the exchange and the widening as a sum.",
         "- Measured after main's change that makes sharded prompt passes compute the last layer's records alone",
         "  (97b1479). Before it, both qwen3_5 ranks also held the last layer's recomputed query side in the reverse",
         "  pass (about 14 MiB here, traced), and the prefill's exchange peaked in the last layer.",
@@ -804,7 +799,7 @@ def main() -> None:
             return
         cpu_case(args.trace, trace=args.widths, sharded=sharded)
         return
-    command = f"{_launch(os.nice(0))} benchmarks/calibrate_planner.py" + (" --gpu-only" if args.gpu_only else "")
+    command = _command(os.nice(0)) + (" --gpu-only" if args.gpu_only else "")
     command += " --stored" if args.stored and not args.gpu_only else ""
     command += "".join(f" --only {family}" for family in args.only or ()) if not args.stored else ""
     command += "".join(f" --sharded {p}" for p in args.sharded or ()) if not args.stored else ""
@@ -867,12 +862,12 @@ def main() -> None:
             stored["measurements"] = sorted(kept + fresh, key=lambda m: order.index((m["family"], m["held_out"])))
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         else:
-            stored = dict(**_when(), measurements=cpu_measurements())
+            stored = dict(_when(), measurements=cpu_measurements())
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         lines, cpu = table(cpu_predicted(stored["measurements"]), MIB, "MiB")
         load = ", ".join(f"{x:.1f}" for x in stored["load_average"])
         md += [
-            f"Measured by `{_launch(stored.get('nice'))} benchmarks/calibrate_planner.py` at "
+            f"Measured by `{_command(stored.get('nice'))}` at "
             f"{stored['time']} (load average {load} on 2 cores; allocated bytes do not depend on the load),",
             f"stored in `{CPU_JSON.name}`; the predictions are the current planner's (`--stored`).",
         ]
@@ -884,8 +879,7 @@ def main() -> None:
             }
             for when, (load, nice) in again.items():
                 md.append(
-                    f"The {family} rows were measured again by `{_launch(nice)} "
-                    f"benchmarks/calibrate_planner.py --only {family}` at {when} "
+                    f"The {family} rows were measured again by `{_command(nice)} --only {family}` at {when} "
                     f"(load average {', '.join(f'{x:.1f}' for x in load)})."
                 )
         md += [
@@ -916,6 +910,13 @@ def main() -> None:
             "  no count was changed for it. The reverse-pass rows (llama 1.013, qwen3_5 1.047 held out) and the llama",
             "  prefill were predicted before being measured. tests/test_plan.py checks both inventories at a third",
             "  set of widths (H=96, three delta-rule groups).",
+            "- qwen3_5's reverse inventory was traced again (`--trace qwen3_5`, at `CPU_WIDTHS` and `--widths",
+            "  qwen3_5`) after its delta rule got the hand-written backward (`qwen3_5._DeltaRuleFunction`): what it",
+            "  saves (`plan.delta_rule_saved_bytes`, checked byte for byte against its saved tensors in",
+            "  tests/test_plan.py) and what the layer keeps around it (`plan.REVERSE_DELTA_RULE`), in place of the",
+            "  plain rule's autograd inventory; and the last attention layer's gate tensors, still live at the peak",
+            "  (`plan.REVERSE_LAST_GATE_TENSORS`). Reverse pass 1.075 / 1.065 -> 1.001 / 1.002 (traced / held out),",
+            "  the sharded rows 1.082 / 1.077 -> 1.012 / 1.011; no row was measured again for it.",
             "- The prompt passes now compute the last layer's records alone (no MLP, final norm or attention output:",
             "  `Engine._records_only`). The llama and qwen3_5 rows were measured again after that change (reverse",
             "  pass: llama 112.4 -> 73.9 MiB, qwen3_5 195.3 -> 152.6 MiB). The reverse inventory lost the last",
