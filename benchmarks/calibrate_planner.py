@@ -679,6 +679,16 @@ def table(rows: list[dict], unit: int, unit_name: str) -> tuple[list[str], list[
     return lines, ratios
 
 
+HAND_NOTES = "## Notes by hand"
+
+
+def hand_notes(path: Path) -> list[str]:
+    """The lines of `path` from its `HAND_NOTES` heading to its end (notes written by hand, which a rewrite of the file
+    from the template keeps), or none."""
+    lines = path.read_text().split("\n") if path.exists() else []
+    return lines[lines.index(HAND_NOTES) :] if HAND_NOTES in lines else []
+
+
 def sharded_section(measurements: list[dict]) -> list[str]:
     """CALIBRATION.md's section of the sharded CPU rows (`sharded_measurements`)."""
     lines, ratios = table(sharded_predicted(measurements), MIB, "MiB")
@@ -947,6 +957,7 @@ def main() -> None:
         ]
         if stored.get("sharded"):
             md += sharded_section(stored["sharded"])
+    md += hand_notes(Path(args.out))
     Path(args.out).write_text("\n".join(md))
     print("\n".join(md))
 

@@ -1379,3 +1379,17 @@ if __name__ == "__main__":
     for config in CONFIGS:
         config.write_text(config_with_planner_output(config.read_text())[0])
         print(f"rewrote the planner output in {config}")
+
+
+def test_calibration_keeps_hand_notes(tmp_path):
+    """A rewrite of CALIBRATION.md from calibrate_planner's template keeps the notes under its `HAND_NOTES` heading
+    (`hand_notes`: from that heading to the end), and a file without one gives none."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from calibrate_planner import HAND_NOTES, hand_notes
+
+    path = tmp_path / "CALIBRATION.md"
+    assert hand_notes(path) == []
+    path.write_text("# Planner calibration\n\n| table |\n")
+    assert hand_notes(path) == []
+    path.write_text(f"# Planner calibration\n\n| table |\n\n{HAND_NOTES}\n\n- a note\n")
+    assert hand_notes(path) == [HAND_NOTES, "", "- a note", ""]
