@@ -592,6 +592,17 @@ def cpu_measurements(only: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def _when() -> dict:
+    """When a measurement was taken: UTC time, load average and this process's nice value (the launched cases
+    inherit it), for the provenance lines."""
+    return dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(), nice=os.nice(0))
+
+
+def _command(nice: int | None) -> str:
+    """The measuring command's prefix, with the nice value it ran at where one was recorded and not 0."""
+    return "OMP_NUM_THREADS=1 " + (f"nice -n {nice} " if nice else "") + "python benchmarks/calibrate_planner.py"
+
+
 def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
     """The sharded CPU cases (`cpu_case` with `sharded`) of `families` at prompt lengths `sizes`, one `torchrun`
     launch of `SHARDED_WORLD` processes each, one after the other (each rank measures itself; both ranks of a launch
@@ -600,7 +611,7 @@ def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
     rows = []
     for family in families:
         for p in sizes:
-            when = dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
+            when = _when()
             command = [*_torchrun(), __file__, "--case", family, "--sharded", str(p)]
             result = subprocess.run(command, env=env, capture_output=True, text=True)
             if result.returncode:
@@ -688,12 +699,12 @@ def sharded_section(measurements: list[dict]) -> list[str]:
     ]
     launches = {}
     for m in measurements:
-        launches.setdefault((m["family"], m["time"], tuple(m["load_average"])), []).append(m["P"])
-    for (family, when, load), sizes in launches.items():
+        launches.setdefault((m["family"], m["time"], tuple(m["load_average"]), m.get("nice")), []).append(m["P"])
+    for (family, when, load, nice), sizes in launches.items():
         flags = "".join(f" --sharded {p}" for p in dict.fromkeys(sizes))
         md.append(
-            f"- {family}: measured by `OMP_NUM_THREADS=1 nice -n 5 python benchmarks/calibrate_planner.py --only "
-            f"{family}{flags}` at {when} (load average {', '.join(f'{x:.1f}' for x in load)})."
+            f"- {family}: measured by `{_command(nice)} --only {family}{flags}` at {when} "
+            f"(load average {', '.join(f'{x:.1f}' for x in load)})."
         )
     md += ["", *lines, ""]
     md.append(
@@ -709,9 +720,10 @@ def sharded_section(measurements: list[dict]) -> list[str]:
         "  is the other candidate; at these widths the exchange's phase is the larger on both families.",
         "- The reverse pass: a qwen3_5 rank peaks in the MLP backward beside the widened delta rule's graph (traced),",
         "  an attention layer's exchange in its own backward; the planner takes the larger of the two phases. llama,",
-        "  whose layers are all attention, adds the exchange to its inventory, whose MLP backward tensors are mostly",
-        "  gone when the exchange runs (above the target where the ratio says so: the safe side; its attention",
-        "  backward is not itemized apart yet). On CUDA the multiples take the exchange and the widening as a sum.",
+        "  whose layers are all attention, peaks at the exchange in an attention layer's backward, beside that",
+        "  layer's graph and its own gradients (`plan.reverse_exchange_bytes`, counted from `--trace llama --sharded",
+        "  8192`: the MLP's tensors of that layer are gone by then; counting them, as the planner did before, gave",
+        "  1.187 / 1.118). On CUDA the multiples take the exchange and the widening as a sum.",
         "- Measured after main's change that makes sharded prompt passes compute the last layer's records alone",
         "  (97b1479). Before it, both qwen3_5 ranks also held the last layer's recomputed query side in the reverse",
         "  pass (about 14 MiB here, traced), and the prefill's exchange peaked in the last layer.",
@@ -833,34 +845,31 @@ def main() -> None:
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         elif args.only:
             stored = json.loads(CPU_JSON.read_text())
-            when = dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
+            when = _when()
             fresh = [dict(m, **when) for m in cpu_measurements(args.only)]
             kept = [m for m in stored["measurements"] if m["family"] not in args.only]
             order = [(f, h) for h in (False, True) for f in CPU_WIDTHS]  # the full run's order
             stored["measurements"] = sorted(kept + fresh, key=lambda m: order.index((m["family"], m["held_out"])))
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         else:
-            stored = dict(
-                time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                load_average=os.getloadavg(),
-                measurements=cpu_measurements(),
-            )
+            stored = dict(_when(), measurements=cpu_measurements())
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         lines, cpu = table(cpu_predicted(stored["measurements"]), MIB, "MiB")
         load = ", ".join(f"{x:.1f}" for x in stored["load_average"])
         md += [
-            "Measured by `OMP_NUM_THREADS=1 nice -n 10 python benchmarks/calibrate_planner.py` at "
+            f"Measured by `{_command(stored.get('nice'))}` at "
             f"{stored['time']} (load average {load} on 2 cores; allocated bytes do not depend on the load),",
             f"stored in `{CPU_JSON.name}`; the predictions are the current planner's (`--stored`).",
         ]
         for family in CPU_WIDTHS:
             again = {
-                m["time"]: m["load_average"] for m in stored["measurements"] if m["family"] == family and "time" in m
+                m["time"]: (m["load_average"], m.get("nice"))
+                for m in stored["measurements"]
+                if m["family"] == family and "time" in m
             }
-            for when, load in again.items():
+            for when, (load, nice) in again.items():
                 md.append(
-                    f"The {family} rows were measured again by `OMP_NUM_THREADS=1 nice -n 10 python "
-                    f"benchmarks/calibrate_planner.py --only {family}` at {when} "
+                    f"The {family} rows were measured again by `{_command(nice)} --only {family}` at {when} "
                     f"(load average {', '.join(f'{x:.1f}' for x in load)})."
                 )
         md += [

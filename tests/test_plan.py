@@ -994,6 +994,38 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
         assert kept == chunk * (outputs * width + lses * 4), width
 
 
+def test_sharded_cpu_reverse_pass_peaks_at_an_attention_layers_exchange():
+    """A context-parallel round's attention layer exchanges in its backward, after its MLP's tensors are freed: the
+    CPU reverse pass of a sharded llama rank is the larger of the MLP's phase (`reverse_bytes`) and the exchange's
+    phase (`reverse_exchange_bytes` + `context_parallel_exchange`), not their sum (which was 12-19% above the
+    measured peaks, benchmarks/CALIBRATION.md). CUDA keeps the sum (multiples)."""
+    b, chunk = 4, 1000
+    widths = dict(hidden_size=96, intermediate_size=400, num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+    _, llama = _tiny_stats("llama", num_hidden_layers=2, **widths)
+    mlp_phase = plan.reverse_bytes(llama, b, "cpu")
+    exchange_phase = plan.reverse_exchange_bytes(llama, b, "cpu")
+    # The two phases share the chunk's tensors and the attention layer's saved ones; they differ by what is live.
+    live = plan.REVERSE_LIVE_RESIDUALS * 96 + plan.REVERSE_MLP_LIVE * 400
+    backward = (
+        plan.REVERSE_EXCHANGE_RESIDUALS * 96 + plan.REVERSE_EXCHANGE_QUERY * 3 * 32 + plan.REVERSE_EXCHANGE_KV * 32
+    )
+    assert mlp_phase - exchange_phase == (live - backward) * b > 0
+    assert plan.reverse_exchange_bytes(llama, b, "cuda") is None
+    one = Setup(positions=20 * chunk, prefill_chunk_size=chunk, gpus=1, compute_bytes=b, fsdp=False, device="cpu")
+    two = replace(one, gpus=2, shard_prompt_state=True)
+    exchange = plan.context_parallel_exchange(llama, 2, chunk, b, autograd=True)
+    tiles = plan.score_tiles(llama, b, chunk, autograd=True, device="cpu")
+    expected = max(chunk * mlp_phase + tiles, chunk * exchange_phase + tiles + exchange)
+    assert _item(estimate(llama, two), "chunk activations") == expected
+    assert expected < chunk * mlp_phase + tiles + exchange
+    # One process: no exchange, the MLP's phase.
+    assert _item(estimate(llama, one), "chunk activations") == chunk * mlp_phase + tiles
+    # CUDA: the multiples with the exchange on top.
+    cuda = _item(estimate(llama, replace(two, device="cuda")), "chunk activations")
+    single = _item(estimate(llama, replace(one, device="cuda")), "chunk activations")
+    assert cuda - single == exchange
+
+
 def test_widened_delta_rule_prefill_matches_the_allocated_peak():
     """The no-grad delta rule's count (`plan.delta_rule_prefill_bytes`: plain, and widened by Dk with the widened
     values beside it) against the peak that PyTorch's CPU allocator reaches in `torch_gated_delta_rule` and in

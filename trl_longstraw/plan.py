@@ -676,6 +676,39 @@ def reverse_bytes(
     return chunk + live
 
 
+# What a rank holds beside an attention layer's exchange in a context-parallel round of the CPU reverse pass
+# (`sharding._ShardedPrefixAttention.backward`, at its final all-to-all), besides the chunk's own tensors and the
+# exchange (`context_parallel_exchange`): the layer's recomputed graph (the residual stream's
+# `REVERSE_EXCHANGE_RESIDUALS` `[T, H]`: the recomputed input norm's two, the incoming gradient, the gradients of the
+# norm's product and of the output projection's input, and the layer input's gradient accumulator; the token mixer's
+# saved query-side tensors and K and V, `_reverse_mixer_bytes`) and the attention backward's own gradients
+# (`REVERSE_EXCHANGE_QUERY` `[T, Hq * D]`: the own causal part's dq and the repeated keys' and values' dK and dV, the
+# repeated keys and values, the fp32 dq accumulator and its sum; `REVERSE_EXCHANGE_KV` `[T, Hkv * D]`: dK and dV and
+# their sums, the recomputed K projection and RoPE's output and their gradients). The MLP's tensors of the same layer
+# are gone by then (traced: `benchmarks/calibrate_planner.py --trace llama --sharded 8192`, both ranks; the
+# inventory of the MLP's phase, `reverse_bytes`, with the exchange on top was 12-19% above the measured peaks).
+REVERSE_EXCHANGE_RESIDUALS = 6
+REVERSE_EXCHANGE_QUERY = 7
+REVERSE_EXCHANGE_KV = 6
+
+
+def reverse_exchange_bytes(stats: ModelStats, compute_bytes: int, device: str) -> int | None:
+    """Bytes per chunk token that a rank holds in the CPU reverse pass beside an attention layer's exchange of a
+    context-parallel round (`REVERSE_EXCHANGE_RESIDUALS`), the exchange itself excluded; None where `reverse_bytes`
+    is (the CUDA multiples take the exchange as a sum)."""
+    full = reverse_bytes(stats, compute_bytes, device, mixers=("attention",))
+    if full is None:
+        return None
+    s = stats
+    mlp_phase = REVERSE_LIVE_RESIDUALS * s.hidden_size + REVERSE_MLP_LIVE * s.intermediate_size
+    exchange_phase = (
+        REVERSE_EXCHANGE_RESIDUALS * s.hidden_size
+        + REVERSE_EXCHANGE_QUERY * s.attention_heads * s.head_dim
+        + REVERSE_EXCHANGE_KV * s.kv_width
+    )
+    return full + (exchange_phase - mlp_phase) * compute_bytes
+
+
 def exchange_rows(stats: ModelStats, rows: int) -> int:
     """Query rows of every rank that one attention layer gathers at once when a round of the sharded prompt state
     exchanges `rows` in all: `glm_moe_dsa` slices its exchanges (`glm_moe_dsa.EXCHANGE_ROWS`), the others do not."""
@@ -1299,7 +1332,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # time exchanges the round's queries and partial outputs.
         cp_exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
         scored += f" + {_size(cp_exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
-        if not widened:
+        if not widened and not exact:
             tiles, cp_exchange = tiles + cp_exchange, 0
     if widened:
         # One DeltaNet layer's all-gather of every rank's final state and transition.
@@ -1355,12 +1388,12 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             reverse_per_token += wider * (1 if checkpointed else s.layer_kinds.count("linear_attention"))
         activations = chunk * reverse_per_token + tiles + cp_exchange
         if cp_exchange and itemized is not None:
-            # With Gated DeltaNet layers the attention layers' exchange happens in their backward, beside their own
-            # saved tensors, not the widened rule's (traced): the larger of the two phases. The CUDA multiples, per
-            # layer of any kind, take the sum.
-            attention = reverse_bytes(s, u.compute_bytes, u.device, mixers=("attention",))
-            widened_phase = chunk * reverse_per_token + tiles
-            activations = max(widened_phase, chunk * (attention - reuse + allocated) + tiles + cp_exchange)
+            # The attention layers' exchange happens in their backward, beside their own graph and gradients, after
+            # the MLP's tensors of the same layer and before the next layer's (`reverse_exchange_bytes`, traced): the
+            # larger of the two phases. The CUDA multiples, per layer of any kind, take the sum.
+            attention = reverse_exchange_bytes(s, u.compute_bytes, u.device)
+            other_phase = chunk * reverse_per_token + tiles
+            activations = max(other_phase, chunk * (attention - reuse + allocated) + tiles + cp_exchange)
         items.append(
             Item(
                 "chunk activations",
