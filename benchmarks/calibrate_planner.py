@@ -789,7 +789,7 @@ def main() -> None:
             return
         cpu_case(args.trace, trace=args.widths, sharded=sharded)
         return
-    command = "OMP_NUM_THREADS=1 python benchmarks/calibrate_planner.py" + (" --gpu-only" if args.gpu_only else "")
+    command = _command(os.nice(0)) + (" --gpu-only" if args.gpu_only else "")
     command += " --stored" if args.stored and not args.gpu_only else ""
     command += "".join(f" --only {family}" for family in args.only or ()) if not args.stored else ""
     command += "".join(f" --sharded {p}" for p in args.sharded or ()) if not args.stored else ""
@@ -900,6 +900,13 @@ def main() -> None:
             "  no count was changed for it. The reverse-pass rows (llama 1.013, qwen3_5 1.047 held out) and the llama",
             "  prefill were predicted before being measured. tests/test_plan.py checks both inventories at a third",
             "  set of widths (H=96, three delta-rule groups).",
+            "- qwen3_5's reverse inventory was traced again (`--trace qwen3_5`, at `CPU_WIDTHS` and `--widths",
+            "  qwen3_5`) after its delta rule got the hand-written backward (`qwen3_5._DeltaRuleFunction`): what it",
+            "  saves (`plan.delta_rule_saved_bytes`, checked byte for byte against its saved tensors in",
+            "  tests/test_plan.py) and what the layer keeps around it (`plan.REVERSE_DELTA_RULE`), in place of the",
+            "  plain rule's autograd inventory; and the last attention layer's gate tensors, still live at the peak",
+            "  (`plan.REVERSE_LAST_GATE_TENSORS`). Reverse pass 1.075 / 1.065 -> 1.001 / 1.002 (traced / held out),",
+            "  the sharded rows 1.082 / 1.077 -> 1.012 / 1.011; no row was measured again for it.",
             "- The prompt passes now compute the last layer's records alone (no MLP, final norm or attention output:",
             "  `Engine._records_only`). The llama and qwen3_5 rows were measured again after that change (reverse",
             "  pass: llama 112.4 -> 73.9 MiB, qwen3_5 195.3 -> 152.6 MiB). The reverse inventory lost the last",

@@ -970,7 +970,7 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
             if exact and device == "cuda":  # the multiples take the exchange and the widening
                 expected = _item(single, "chunk activations") + chunk * wider + exchange + gathered + records
             elif exact:  # the larger of the widened rule's phase and an attention layer's backward with its exchange
-                attention = plan.reverse_bytes(qwen, b, device, mixers=("attention",))
+                attention = plan.reverse_exchange_bytes(qwen, b, device)
                 widened = chunk * plan.reverse_bytes(qwen, b, device, widened=True) + tiles
                 expected = max(widened, chunk * attention + tiles + exchange)
                 assert widened - _item(single, "chunk activations") == chunk * wider + gathered + records
@@ -992,6 +992,37 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
         kept = _item(estimate(llama, u), "chunk activations")
         kept -= _item(estimate(llama, replace(u, attention_reuse=False)), "chunk activations")
         assert kept == chunk * (outputs * width + lses * 4), width
+
+
+def test_delta_rule_saved_tensors_are_counted():
+    """The CPU reverse inventory counts what the hand-written delta rule (`qwen3_5._DeltaRuleFunction`) saves for its
+    backward (`plan.delta_rule_saved_bytes`): its saved tensors, read off the graph, byte for byte (a length that is
+    not a multiple of the block), and the Gated DeltaNet mixer is those plus what the layer keeps around the rule."""
+    from trl_longstraw.qwen3_5 import _DeltaRuleFunction
+
+    heads, k_dim, v_dim, tokens = 3, 16, 24, 200
+    torch.manual_seed(0)
+    query, key = (torch.nn.functional.normalize(torch.randn(1, heads, tokens, k_dim), dim=-1) for _ in range(2))
+    value = torch.randn(1, heads, tokens, v_dim, requires_grad=True)
+    g, beta = -torch.rand(1, heads, tokens), torch.rand(1, heads, tokens)
+    out, _ = _DeltaRuleFunction.apply(query, key, value, g, beta, None, None)
+    saved = sum(t.nbytes for t in out.grad_fn.saved_tensors)
+    assert plan.delta_rule_saved_bytes(tokens, heads, k_dim, v_dim) == saved
+    widths = dict(hidden_size=96, intermediate_size=160, num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+    gdn = dict(
+        linear_num_key_heads=1, linear_num_value_heads=heads, linear_key_head_dim=k_dim, linear_value_head_dim=v_dim
+    )
+    _, qwen = _tiny_stats(
+        "qwen3_5", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], **widths, **gdn
+    )
+    conv_dim = qwen.delta_rule[3]
+    around = plan.REVERSE_DELTA_RULE
+    per_token = around["conv"] * conv_dim * 4 + heads * 4 * (
+        around["value"] * v_dim + around["key"] * k_dim + around["scalars"]
+    )
+    blocks = tokens // 64 * 64  # whole blocks: the per-token count
+    rule = plan.delta_rule_saved_bytes(blocks, heads, k_dim, v_dim) - heads * 4 * (k_dim * v_dim + blocks // 64)
+    assert blocks * plan._reverse_mixer_bytes(qwen, "linear_attention", 4) == blocks * per_token + rule
 
 
 def test_sharded_cpu_reverse_pass_peaks_at_an_attention_layers_exchange():
