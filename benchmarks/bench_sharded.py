@@ -25,6 +25,12 @@ gradient reduction runs in its C++ reducer, outside these marks: the last segmen
 Each process runs one torch thread, so the 2-process setups use the 2 cores of the machine. The driver prints a table
 with the ratios to `1 process` and writes `benchmarks/SHARDED.md`.
 
+Repeats (`--repeat N`): single runs vary by about 15% on a 2-core machine, so the driver can run every setup N times,
+interleaved (all setups once, then all again: A B A B ..., fresh processes each time). Each cell then shows the median
+of the N runs, and the step, CPU and critical-path columns also their spread (`median (min-max)`); the ratios to
+`1 process` are ratios of medians. The memory columns (state, growth) are medians, without spread. The JSON file keeps
+every run (`run` numbers them).
+
 Priority: Linux's autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`) shares the CPU between sessions,
 and `nice` only orders the processes inside one. `torchrun` starts each worker in a session of its own, so every
 worker, in every setup, competes as one session; each sets its session's nice to its own (`_session_priority`), so
@@ -33,6 +39,7 @@ machine (otherwise each would run at the default session nice of 0 whatever the 
 
     python benchmarks/bench_sharded.py                       # llama and qwen3_5, P in {8K, 32K}
     python benchmarks/bench_sharded.py --family llama --P 4096 --setup "1 process" --setup "sharded x2"
+    python benchmarks/bench_sharded.py --family qwen3_5 --P 32768 --setup "1 process" --setup "sharded x2" --repeat 3
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -231,9 +239,30 @@ def run(args, model_path: str, family: str, setup: str, p: int) -> dict:
     return record
 
 
+COLUMNS = ["time_s", "cpu_s", "prefill_s", "reverse_s", "mlp_tokens", "state_bytes", "growth_bytes"]
+COLUMNS += ["critical_s", "wait_s"]
+SPREAD = ("time_s", "cpu_s", "critical_s")  # the columns shown with their spread when there are repeats
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The median of each figure over the repeated runs of one cell, and `(min, max)` of each figure under `spread`."""
+    summary = {key: statistics.median(r[key] for r in runs) for key in COLUMNS}
+    summary["spread"] = {key: (min(r[key] for r in runs), max(r[key] for r in runs)) for key in COLUMNS}
+    summary["runs"] = len(runs)
+    return summary
+
+
 def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
+    """The markdown table of one family: one row per (P, setup), medians over the runs of each cell (see the module
+    docstring), ratios to the `1 process` row's medians."""
+
     def get(setup, p):
-        return next(r for r in records if r["family"] == family and r["setup"] == setup and r["P"] == p)
+        runs = [r for r in records if r["family"] == family and r["setup"] == setup and r["P"] == p]
+        return summarize(runs)
+
+    def fig(r, key):
+        low, high = r["spread"][key]
+        return f"{r[key]:.2f}" + (f" ({low:.2f}-{high:.2f})" if r["runs"] > 1 and key in SPREAD else "")
 
     lines = [
         f"### {family}",
@@ -248,11 +277,11 @@ def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
         for setup in setups:
             r = get(setup, p)
             lines.append(
-                f"| {p:,} | {setup} | {r['time_s']:.2f} | {r['cpu_s']:.2f} | {r['prefill_s']:.2f} "
+                f"| {p:,} | {setup} | {fig(r, 'time_s')} | {fig(r, 'cpu_s')} | {r['prefill_s']:.2f} "
                 f"| {r['reverse_s']:.2f} | {r['mlp_tokens']:,.0f} | {r['state_bytes'] / 2**20:.1f} "
                 f"| {r['growth_bytes'] / 2**20:.1f} | {r['state_bytes'] / one['state_bytes']:.2f}x "
                 f"| {r['growth_bytes'] / one['growth_bytes']:.2f}x | {r['time_s'] / one['time_s']:.2f}x "
-                f"| {r['cpu_s'] / one['cpu_s']:.2f}x | {r['critical_s']:.2f} | {r['wait_s']:.2f} "
+                f"| {r['cpu_s'] / one['cpu_s']:.2f}x | {fig(r, 'critical_s')} | {r['wait_s']:.2f} "
                 f"| {r['critical_s'] / one['cpu_s']:.2f}x |"
             )
     return lines + [""]
@@ -270,6 +299,7 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size")
     parser.add_argument("--setup", action="append", choices=list(SETUPS), help="setups (repeatable); default all")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per launch")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each setup, interleaved; medians reported")
     parser.add_argument("--out", default=str(HERE / "SHARDED.md"), help="results file")
     args = parser.parse_args(argv)
     if args.worker:
@@ -284,13 +314,16 @@ def main(argv=None) -> None:
     if "1 process" not in setups:
         parser.error("the ratios need the '1 process' setup")
     sizes = args.P or [8192, 32768]
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
             path = str(save_tiny_model(Path(tmp) / family, family))
             for p in sizes:
-                for setup in setups:
-                    records.append(run(args, path, family, setup, p))
+                for repeat in range(args.repeat):  # interleaved: every setup once per repeat
+                    for setup in setups:
+                        records.append({**run(args, path, family, setup, p), "run": repeat})
     command = "python benchmarks/bench_sharded.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     lines = [
         "# Sharded prompt state on 2 CPU processes",
@@ -299,7 +332,13 @@ def main(argv=None) -> None:
         f"gloo, one torch thread per process, load average {os.getloadavg()[0]:.1f} at the end (wall times under "
         "contention are noisy; CPU times much less so). One exact-mode step, one prompt of P tokens, "
         f"G={args.G} completions (at most {args.C} tokens, ragged), prefill chunks of {args.chunk}, tiny random "
-        "models (`trl_longstraw.testing`). Per process: the larger of the two ranks. See the script's docstring.",
+        "models (`trl_longstraw.testing`). Per process: the larger of the two ranks. See the script's docstring."
+        + (
+            f" {args.repeat} runs of each setup, interleaved: medians, and (min-max) for the step, CPU and critical "
+            "path; ratios of medians."
+            if args.repeat > 1
+            else ""
+        ),
         "",
     ]
     for family in families:

@@ -316,6 +316,45 @@ def test_bench_sharded_end_to_end(tmp_path, bench_env):
     assert "| 385 | sharded x2 |" in out.read_text()
 
 
+def test_bench_sharded_repeat_interleaves_and_reports_medians(tmp_path, monkeypatch):
+    """`--repeat 3`: the setups run interleaved (A B A B A B), each cell shows the median of its runs with the spread
+    (min-max) of the step, CPU and critical path, the ratios are ratios of medians, the table says how many runs, and
+    the JSON keeps every run. The launches are replaced by made-up records (the end-to-end test above launches)."""
+    import bench_sharded
+
+    launched = []
+    # Per setup, the figures of its three runs in order: medians 10 (1 process) and 6 (sharded), one outlier each.
+    times = {"1 process": [10.0, 30.0, 8.0], "sharded x2": [6.0, 5.0, 9.0]}
+
+    def fake_run(args, model_path, family, setup, p):
+        t = times[setup][sum(1 for s in launched if s == setup)]
+        launched.append(setup)
+        figures = dict(time_s=t, cpu_s=t, prefill_s=1.0, reverse_s=2.0, mlp_tokens=4.0, critical_s=t, wait_s=0.0)
+        state = 2**20 if setup == "sharded x2" else 2**21
+        return dict(family=family, setup=setup, P=p, state_bytes=state, growth_bytes=2**20, **figures)
+
+    monkeypatch.setattr(bench_sharded, "run", fake_run)
+    out = tmp_path / "SHARDED.md"
+    argv = ["--family", "llama", "--P", "64", "--setup", "1 process", "--setup", "sharded x2", "--repeat", "3"]
+    bench_sharded.main(argv + ["--out", str(out)])
+    assert launched == ["1 process", "sharded x2"] * 3
+    text = out.read_text()
+    assert "3 runs of each setup, interleaved" in text
+    assert "| 64 | 1 process | 10.00 (8.00-30.00) | 10.00 (8.00-30.00) | 1.00 | 2.00 |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 64 | sharded x2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:4] == ["6.00 (5.00-9.00)"] * 2 and cells[13] == "6.00 (5.00-9.00)"
+    assert cells[9] == "0.50x" and cells[11] == "0.60x" and cells[12] == "0.60x" and cells[15] == "0.60x"
+    records = json.loads(out.with_suffix(".json").read_text())
+    assert [r["run"] for r in records] == [0, 0, 1, 1, 2, 2]
+    # One run: the cells have no spread and the header no repeat count, as before --repeat existed.
+    launched.clear()
+    times = {"1 process": [10.0], "sharded x2": [6.0]}
+    bench_sharded.main(argv[:-2] + ["--out", str(out)])
+    text = out.read_text()
+    assert "runs of each setup" not in text and "| 64 | sharded x2 | 6.00 | 6.00 | 1.00 | 2.00 |" in text
+
+
 def test_bench_limit_rows_of_cuts_each_completion_to_its_length():
     """Stock's best setting runs one row per training_step, each without completion padding, the group's token
     count kept for the loss normalisation."""
