@@ -21,6 +21,10 @@ step into the same sequence of segments on every rank (compute up to a collectiv
 each rank has a core of its own and a collective costs its CPU time, whatever the load. A rank's *wait* is the
 critical path minus its own CPU time (the time it would spend blocked in collectives for the other rank). DDP's
 gradient reduction runs in its C++ reducer, outside these marks: the last segment of the backward includes it.
+The table also gives the number of collectives in the step and the wall seconds spent inside them (the larger rank's):
+where wall time exceeds the critical path, that column shows how much of the gap is the collectives' own latency
+(gloo between two processes of a small VM takes about a millisecond per call, and more while the other rank computes,
+where NCCL takes microseconds).
 
 Each process runs one torch thread, so the 2-process setups use the 2 cores of the machine. The driver prints a table
 with the ratios to `1 process` and writes `benchmarks/SHARDED.md`.
@@ -138,7 +142,7 @@ def worker(args) -> None:
         mlp_tokens[0] += inputs[0].shape[0] * inputs[0].shape[1]
 
     hooks = [layer.mlp.register_forward_pre_hook(count) for layer in layers]
-    marks = _time_collectives(dist)
+    marks, walls = _time_collectives(dist)
     warm = local(min(args.P, 2 * args.chunk + 1))
     trainer.training_step(model, warm, warm["num_items_in_batch"])
     trainer.model.zero_grad(set_to_none=False)
@@ -150,6 +154,7 @@ def worker(args) -> None:
     mlp_tokens[0] = 0
     with PeakRSS(baseline, 1 << 62, lambda growth: None) as peak:
         marks.clear()
+        walls.clear()
         t0, c0 = time.perf_counter(), time.process_time()
         trainer.training_step(model, batch, batch["num_items_in_batch"])
         seconds, c1 = time.perf_counter() - t0, time.process_time()
@@ -169,6 +174,8 @@ def worker(args) -> None:
         "nice": nice,
         "critical_s": critical,
         "wait_s": max(waits),
+        "collectives": len(walls),
+        "collective_wall_s": sum(walls),
     }
     records = [record]
     if world > 1:
@@ -181,23 +188,27 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def _time_collectives(dist) -> list[float]:
+def _time_collectives(dist) -> tuple[list[float], list[float]]:
     """Wraps every collective of `dist` used by the step so that it appends `time.process_time()` before and after
-    it to the returned list (in the order the collectives run; the same order on every rank)."""
+    it to the first returned list (in the order the collectives run; the same order on every rank), and the wall
+    seconds it took to the second."""
     marks: list[float] = []
+    walls: list[float] = []
     names = ["all_reduce", "all_gather_single", "all_to_all_single", "broadcast", "all_gather_object", "barrier"]
     for name in names + ["all_gather", "reduce_scatter_tensor"]:
         collective = getattr(dist, name)
 
         def timed(*args, _collective=collective, **kwargs):
             marks.append(time.process_time())
+            start = time.perf_counter()
             try:
                 return _collective(*args, **kwargs)
             finally:
+                walls.append(time.perf_counter() - start)
                 marks.append(time.process_time())
 
         setattr(dist, name, timed)
-    return marks
+    return marks, walls
 
 
 def critical_path(marks: list[float], world: int, dist) -> tuple[float, list[float]]:
@@ -240,7 +251,7 @@ def run(args, model_path: str, family: str, setup: str, p: int) -> dict:
 
 
 COLUMNS = ["time_s", "cpu_s", "prefill_s", "reverse_s", "mlp_tokens", "state_bytes", "growth_bytes"]
-COLUMNS += ["critical_s", "wait_s"]
+COLUMNS += ["critical_s", "wait_s", "collectives", "collective_wall_s"]
 SPREAD = ("time_s", "cpu_s", "critical_s")  # the columns shown with their spread when there are repeats
 
 
@@ -269,8 +280,8 @@ def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
         "",
         "| P | setup | step s | step CPU s | prefill s | reverse s | MLP tokens per layer | prompt state MiB "
         "| step RSS growth MiB | state vs 1 process | growth vs 1 process | time vs 1 process | CPU vs 1 process "
-        "| critical path CPU s | wait CPU s | critical path vs 1 process CPU |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| critical path CPU s | wait CPU s | critical path vs 1 process CPU | collectives | wall s in collectives |",
+        "|" + " --- |" * 18,
     ]
     for p in sorted({r["P"] for r in records if r["family"] == family}):
         one = get("1 process", p)
@@ -282,7 +293,7 @@ def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
                 f"| {r['growth_bytes'] / 2**20:.1f} | {r['state_bytes'] / one['state_bytes']:.2f}x "
                 f"| {r['growth_bytes'] / one['growth_bytes']:.2f}x | {r['time_s'] / one['time_s']:.2f}x "
                 f"| {r['cpu_s'] / one['cpu_s']:.2f}x | {fig(r, 'critical_s')} | {r['wait_s']:.2f} "
-                f"| {r['critical_s'] / one['cpu_s']:.2f}x |"
+                f"| {r['critical_s'] / one['cpu_s']:.2f}x | {r['collectives']:,.0f} | {r['collective_wall_s']:.2f} |"
             )
     return lines + [""]
 

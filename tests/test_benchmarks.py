@@ -313,6 +313,10 @@ def test_bench_sharded_end_to_end(tmp_path, bench_env):
     # rank's CPU time, and equals it in one process (no waits).
     assert all(r["critical_s"] >= r["cpu_s"] - 1e-6 and r["wait_s"] >= -1e-6 for r in records)
     assert by_setup["1 process"]["wait_s"] == 0
+    # Counted collectives: the sharded passes' exchanges on top of the trainer's own (one process, world 1, has a
+    # few trivial ones: loss and metric reductions); wall time inside them.
+    assert by_setup["1 process"]["collectives"] + 10 < by_setup["sharded x2"]["collectives"]
+    assert by_setup["sharded x2"]["collective_wall_s"] > 0
     assert "| 385 | sharded x2 |" in out.read_text()
 
 
@@ -330,6 +334,7 @@ def test_bench_sharded_repeat_interleaves_and_reports_medians(tmp_path, monkeypa
         t = times[setup][sum(1 for s in launched if s == setup)]
         launched.append(setup)
         figures = dict(time_s=t, cpu_s=t, prefill_s=1.0, reverse_s=2.0, mlp_tokens=4.0, critical_s=t, wait_s=0.0)
+        figures.update(collectives=0 if setup == "1 process" else 100, collective_wall_s=t / 10)
         state = 2**20 if setup == "sharded x2" else 2**21
         return dict(family=family, setup=setup, P=p, state_bytes=state, growth_bytes=2**20, **figures)
 
@@ -345,6 +350,7 @@ def test_bench_sharded_repeat_interleaves_and_reports_medians(tmp_path, monkeypa
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2:4] == ["6.00 (5.00-9.00)"] * 2 and cells[13] == "6.00 (5.00-9.00)"
     assert cells[9] == "0.50x" and cells[11] == "0.60x" and cells[12] == "0.60x" and cells[15] == "0.60x"
+    assert cells[16:] == ["100", "0.60"]  # collectives in the step, wall seconds in them (medians)
     records = json.loads(out.with_suffix(".json").read_text())
     assert [r["run"] for r in records] == [0, 0, 1, 1, 2, 2]
     # One run: the cells have no spread and the header no repeat count, as before --repeat existed.
