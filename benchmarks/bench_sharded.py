@@ -21,15 +21,19 @@ step into the same sequence of segments on every rank (compute up to a collectiv
 each rank has a core of its own and a collective costs its CPU time, whatever the load. A rank's *wait* is the
 critical path minus its own CPU time (the time it would spend blocked in collectives for the other rank). DDP's
 gradient reduction runs in its C++ reducer, outside these marks: the last segment of the backward includes it.
+The table also gives the number of collectives in the step and the wall seconds spent inside them (the larger rank's):
+where wall time exceeds the critical path, that column shows how much of the gap is the collectives' own latency
+(gloo between two processes of a small VM takes about a millisecond per call, and more while the other rank computes,
+where NCCL takes microseconds).
 
 Each process runs one torch thread, so the 2-process setups use the 2 cores of the machine. The driver prints a table
 with the ratios to `1 process` and writes `benchmarks/SHARDED.md`.
 
-Repeats (`--repeat N`): single runs of the same configuration vary by up to 15% on an idle 2-core machine, so the
-driver can run every setup N times, interleaved (`1 process`, `sharded x2`, `1 process`, `sharded x2`, ..., each
-launch in fresh processes), so that a drift of the machine's speed reaches every setup alike. With N > 1 a table cell
-of the wall, CPU and critical-path figures reads `median (min-max)` over the N runs; every other figure is the
-median, and every ratio is the ratio of the medians. The JSON file keeps every run (`repeat`: its index).
+Repeats (`--repeat N`): single runs vary by about 15% on a 2-core machine, so the driver can run every setup N times,
+interleaved (all setups once, then all again: A B A B ..., fresh processes each time). Each cell then shows the median
+of the N runs, and the step, CPU and critical-path columns also their spread (`median (min-max)`); the ratios to
+`1 process` are ratios of medians. The memory columns (state, growth) are medians, without spread. The JSON file keeps
+every run (`run` numbers them).
 
 Priority: Linux's autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`) shares the CPU between sessions,
 and `nice` only orders the processes inside one. `torchrun` starts each worker in a session of its own, so every
@@ -138,7 +142,7 @@ def worker(args) -> None:
         mlp_tokens[0] += inputs[0].shape[0] * inputs[0].shape[1]
 
     hooks = [layer.mlp.register_forward_pre_hook(count) for layer in layers]
-    marks = _time_collectives(dist)
+    marks, walls = _time_collectives(dist)
     warm = local(min(args.P, 2 * args.chunk + 1))
     trainer.training_step(model, warm, warm["num_items_in_batch"])
     trainer.model.zero_grad(set_to_none=False)
@@ -150,6 +154,7 @@ def worker(args) -> None:
     mlp_tokens[0] = 0
     with PeakRSS(baseline, 1 << 62, lambda growth: None) as peak:
         marks.clear()
+        walls.clear()
         t0, c0 = time.perf_counter(), time.process_time()
         trainer.training_step(model, batch, batch["num_items_in_batch"])
         seconds, c1 = time.perf_counter() - t0, time.process_time()
@@ -169,6 +174,8 @@ def worker(args) -> None:
         "nice": nice,
         "critical_s": critical,
         "wait_s": max(waits),
+        "collectives": len(walls),
+        "collective_wall_s": sum(walls),
     }
     records = [record]
     if world > 1:
@@ -181,23 +188,27 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def _time_collectives(dist) -> list[float]:
+def _time_collectives(dist) -> tuple[list[float], list[float]]:
     """Wraps every collective of `dist` used by the step so that it appends `time.process_time()` before and after
-    it to the returned list (in the order the collectives run; the same order on every rank)."""
+    it to the first returned list (in the order the collectives run; the same order on every rank), and the wall
+    seconds it took to the second."""
     marks: list[float] = []
+    walls: list[float] = []
     names = ["all_reduce", "all_gather_single", "all_to_all_single", "broadcast", "all_gather_object", "barrier"]
     for name in names + ["all_gather", "reduce_scatter_tensor"]:
         collective = getattr(dist, name)
 
         def timed(*args, _collective=collective, **kwargs):
             marks.append(time.process_time())
+            start = time.perf_counter()
             try:
                 return _collective(*args, **kwargs)
             finally:
+                walls.append(time.perf_counter() - start)
                 marks.append(time.process_time())
 
         setattr(dist, name, timed)
-    return marks
+    return marks, walls
 
 
 def critical_path(marks: list[float], world: int, dist) -> tuple[float, list[float]]:
@@ -239,38 +250,38 @@ def run(args, model_path: str, family: str, setup: str, p: int) -> dict:
     return record
 
 
-SPREAD = ("time_s", "cpu_s", "critical_s")  # the figures shown with their spread over repeats
+COLUMNS = ["time_s", "cpu_s", "prefill_s", "reverse_s", "mlp_tokens", "state_bytes", "growth_bytes"]
+COLUMNS += ["critical_s", "wait_s", "collectives", "collective_wall_s"]
+SPREAD = ("time_s", "cpu_s", "critical_s")  # the columns shown with their spread when there are repeats
 
 
-def cell(runs: list[dict]) -> dict:
-    """One table cell from the N runs of one configuration: the median of every figure (a list-valued figure, such
-    as `load`, is kept from the first run), and `<key>_range` = (min, max) of the figures in `SPREAD`."""
-    out = dict(runs[0])
-    for key, value in runs[0].items():
-        if isinstance(value, int | float) and not isinstance(value, bool) and key != "repeat":
-            out[key] = statistics.median(r[key] for r in runs)
-    for key in SPREAD:
-        out[key + "_range"] = (min(r[key] for r in runs), max(r[key] for r in runs))
-    return out
+def summarize(runs: list[dict]) -> dict:
+    """The median of each figure over the repeated runs of one cell, and `(min, max)` of each figure under `spread`."""
+    summary = {key: statistics.median(r[key] for r in runs) for key in COLUMNS}
+    summary["spread"] = {key: (min(r[key] for r in runs), max(r[key] for r in runs)) for key in COLUMNS}
+    summary["runs"] = len(runs)
+    return summary
 
 
 def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
-    """The markdown table of one family: one row per (P, setup), figures from `cell` (one run: the run itself)."""
+    """The markdown table of one family: one row per (P, setup), medians over the runs of each cell (see the module
+    docstring), ratios to the `1 process` row's medians."""
 
     def get(setup, p):
-        return cell([r for r in records if r["family"] == family and r["setup"] == setup and r["P"] == p])
+        runs = [r for r in records if r["family"] == family and r["setup"] == setup and r["P"] == p]
+        return summarize(runs)
 
-    def fig(r: dict, key: str) -> str:
-        low, high = r[key + "_range"]
-        return f"{r[key]:.2f}" if low == high else f"{r[key]:.2f} ({low:.2f}-{high:.2f})"
+    def fig(r, key):
+        low, high = r["spread"][key]
+        return f"{r[key]:.2f}" + (f" ({low:.2f}-{high:.2f})" if r["runs"] > 1 and key in SPREAD else "")
 
     lines = [
         f"### {family}",
         "",
         "| P | setup | step s | step CPU s | prefill s | reverse s | MLP tokens per layer | prompt state MiB "
         "| step RSS growth MiB | state vs 1 process | growth vs 1 process | time vs 1 process | CPU vs 1 process "
-        "| critical path CPU s | wait CPU s | critical path vs 1 process CPU |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| critical path CPU s | wait CPU s | critical path vs 1 process CPU | collectives | wall s in collectives |",
+        "|" + " --- |" * 18,
     ]
     for p in sorted({r["P"] for r in records if r["family"] == family}):
         one = get("1 process", p)
@@ -282,7 +293,7 @@ def table(records: list[dict], family: str, setups: list[str]) -> list[str]:
                 f"| {r['growth_bytes'] / 2**20:.1f} | {r['state_bytes'] / one['state_bytes']:.2f}x "
                 f"| {r['growth_bytes'] / one['growth_bytes']:.2f}x | {r['time_s'] / one['time_s']:.2f}x "
                 f"| {r['cpu_s'] / one['cpu_s']:.2f}x | {fig(r, 'critical_s')} | {r['wait_s']:.2f} "
-                f"| {r['critical_s'] / one['cpu_s']:.2f}x |"
+                f"| {r['critical_s'] / one['cpu_s']:.2f}x | {r['collectives']:,.0f} | {r['collective_wall_s']:.2f} |"
             )
     return lines + [""]
 
@@ -298,8 +309,8 @@ def main(argv=None) -> None:
     parser.add_argument("--C", type=int, default=16, help="longest completion")
     parser.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size")
     parser.add_argument("--setup", action="append", choices=list(SETUPS), help="setups (repeatable); default all")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of every setup, interleaved (median and spread)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per launch")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each setup, interleaved; medians reported")
     parser.add_argument("--out", default=str(HERE / "SHARDED.md"), help="results file")
     args = parser.parse_args(argv)
     if args.worker:
@@ -313,9 +324,9 @@ def main(argv=None) -> None:
     setups = [setup for setup in SETUPS if setup in (args.setup or SETUPS)]
     if "1 process" not in setups:
         parser.error("the ratios need the '1 process' setup")
+    sizes = args.P or [8192, 32768]
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
-    sizes = args.P or [8192, 32768]
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
@@ -323,7 +334,7 @@ def main(argv=None) -> None:
             for p in sizes:
                 for repeat in range(args.repeat):  # interleaved: every setup once per repeat
                     for setup in setups:
-                        records.append({**run(args, path, family, setup, p), "repeat": repeat})
+                        records.append({**run(args, path, family, setup, p), "run": repeat})
     command = "python benchmarks/bench_sharded.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     lines = [
         "# Sharded prompt state on 2 CPU processes",
@@ -332,14 +343,15 @@ def main(argv=None) -> None:
         f"gloo, one torch thread per process, load average {os.getloadavg()[0]:.1f} at the end (wall times under "
         "contention are noisy; CPU times much less so). One exact-mode step, one prompt of P tokens, "
         f"G={args.G} completions (at most {args.C} tokens, ragged), prefill chunks of {args.chunk}, tiny random "
-        "models (`trl_longstraw.testing`). Per process: the larger of the two ranks. See the script's docstring.",
+        "models (`trl_longstraw.testing`). Per process: the larger of the two ranks. See the script's docstring."
+        + (
+            f" {args.repeat} runs of each setup, interleaved: medians, and (min-max) for the step, CPU and critical "
+            "path; ratios of medians."
+            if args.repeat > 1
+            else ""
+        ),
         "",
     ]
-    if args.repeat > 1:
-        lines[-2] += (
-            f" {args.repeat} runs of every setup, interleaved, each in fresh processes: step, CPU and critical-path "
-            "figures are `median (min-max)` over the runs, every other figure the median, ratios of the medians."
-        )
     for family in families:
         lines += table(records, family, setups)
     Path(args.out).write_text("\n".join(lines))

@@ -592,6 +592,17 @@ def cpu_measurements(only: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def _when() -> dict:
+    """When a measurement was taken: UTC time, load average and this process's nice value (the launched cases
+    inherit it), for the provenance lines."""
+    return dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg(), nice=os.nice(0))
+
+
+def _command(nice: int | None) -> str:
+    """The measuring command's prefix, with the nice value it ran at where one was recorded and not 0."""
+    return "OMP_NUM_THREADS=1 " + (f"nice -n {nice} " if nice else "") + "python benchmarks/calibrate_planner.py"
+
+
 def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
     """The sharded CPU cases (`cpu_case` with `sharded`) of `families` at prompt lengths `sizes`, one `torchrun`
     launch of `SHARDED_WORLD` processes each, one after the other (each rank measures itself; both ranks of a launch
@@ -600,7 +611,7 @@ def sharded_measurements(families: list[str], sizes: list[int]) -> list[dict]:
     rows = []
     for family in families:
         for p in sizes:
-            when = dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
+            when = _when()
             command = [*_torchrun(), __file__, "--case", family, "--sharded", str(p)]
             result = subprocess.run(command, env=env, capture_output=True, text=True)
             if result.returncode:
@@ -668,6 +679,16 @@ def table(rows: list[dict], unit: int, unit_name: str) -> tuple[list[str], list[
     return lines, ratios
 
 
+HAND_NOTES = "## Notes by hand"
+
+
+def hand_notes(path: Path) -> list[str]:
+    """The lines of `path` from its `HAND_NOTES` heading to its end (notes written by hand, which a rewrite of the file
+    from the template keeps), or none."""
+    lines = path.read_text().split("\n") if path.exists() else []
+    return lines[lines.index(HAND_NOTES) :] if HAND_NOTES in lines else []
+
+
 def sharded_section(measurements: list[dict]) -> list[str]:
     """CALIBRATION.md's section of the sharded CPU rows (`sharded_measurements`)."""
     lines, ratios = table(sharded_predicted(measurements), MIB, "MiB")
@@ -688,12 +709,12 @@ def sharded_section(measurements: list[dict]) -> list[str]:
     ]
     launches = {}
     for m in measurements:
-        launches.setdefault((m["family"], m["time"], tuple(m["load_average"])), []).append(m["P"])
-    for (family, when, load), sizes in launches.items():
+        launches.setdefault((m["family"], m["time"], tuple(m["load_average"]), m.get("nice")), []).append(m["P"])
+    for (family, when, load, nice), sizes in launches.items():
         flags = "".join(f" --sharded {p}" for p in dict.fromkeys(sizes))
         md.append(
-            f"- {family}: measured by `OMP_NUM_THREADS=1 nice -n 5 python benchmarks/calibrate_planner.py --only "
-            f"{family}{flags}` at {when} (load average {', '.join(f'{x:.1f}' for x in load)})."
+            f"- {family}: measured by `{_command(nice)} --only {family}{flags}` at {when} "
+            f"(load average {', '.join(f'{x:.1f}' for x in load)})."
         )
     md += ["", *lines, ""]
     md.append(
@@ -709,9 +730,10 @@ def sharded_section(measurements: list[dict]) -> list[str]:
         "  is the other candidate; at these widths the exchange's phase is the larger on both families.",
         "- The reverse pass: a qwen3_5 rank peaks in the MLP backward beside the widened delta rule's graph (traced),",
         "  an attention layer's exchange in its own backward; the planner takes the larger of the two phases. llama,",
-        "  whose layers are all attention, adds the exchange to its inventory, whose MLP backward tensors are mostly",
-        "  gone when the exchange runs (above the target where the ratio says so: the safe side; its attention",
-        "  backward is not itemized apart yet). On CUDA the multiples take the exchange and the widening as a sum.",
+        "  whose layers are all attention, peaks at the exchange in an attention layer's backward, beside that",
+        "  layer's graph and its own gradients (`plan.reverse_exchange_bytes`, counted from `--trace llama --sharded",
+        "  8192`: the MLP's tensors of that layer are gone by then; counting them, as the planner did before, gave",
+        "  1.187 / 1.118). On CUDA the multiples take the exchange and the widening as a sum.",
         "- Measured after main's change that makes sharded prompt passes compute the last layer's records alone",
         "  (97b1479). Before it, both qwen3_5 ranks also held the last layer's recomputed query side in the reverse",
         "  pass (about 14 MiB here, traced), and the prefill's exchange peaked in the last layer.",
@@ -777,7 +799,7 @@ def main() -> None:
             return
         cpu_case(args.trace, trace=args.widths, sharded=sharded)
         return
-    command = "OMP_NUM_THREADS=1 python benchmarks/calibrate_planner.py" + (" --gpu-only" if args.gpu_only else "")
+    command = _command(os.nice(0)) + (" --gpu-only" if args.gpu_only else "")
     command += " --stored" if args.stored and not args.gpu_only else ""
     command += "".join(f" --only {family}" for family in args.only or ()) if not args.stored else ""
     command += "".join(f" --sharded {p}" for p in args.sharded or ()) if not args.stored else ""
@@ -833,34 +855,31 @@ def main() -> None:
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         elif args.only:
             stored = json.loads(CPU_JSON.read_text())
-            when = dict(time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
+            when = _when()
             fresh = [dict(m, **when) for m in cpu_measurements(args.only)]
             kept = [m for m in stored["measurements"] if m["family"] not in args.only]
             order = [(f, h) for h in (False, True) for f in CPU_WIDTHS]  # the full run's order
             stored["measurements"] = sorted(kept + fresh, key=lambda m: order.index((m["family"], m["held_out"])))
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         else:
-            stored = dict(
-                time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                load_average=os.getloadavg(),
-                measurements=cpu_measurements(),
-            )
+            stored = dict(_when(), measurements=cpu_measurements())
             CPU_JSON.write_text(json.dumps(stored, indent=1) + "\n")
         lines, cpu = table(cpu_predicted(stored["measurements"]), MIB, "MiB")
         load = ", ".join(f"{x:.1f}" for x in stored["load_average"])
         md += [
-            "Measured by `OMP_NUM_THREADS=1 nice -n 10 python benchmarks/calibrate_planner.py` at "
+            f"Measured by `{_command(stored.get('nice'))}` at "
             f"{stored['time']} (load average {load} on 2 cores; allocated bytes do not depend on the load),",
             f"stored in `{CPU_JSON.name}`; the predictions are the current planner's (`--stored`).",
         ]
         for family in CPU_WIDTHS:
             again = {
-                m["time"]: m["load_average"] for m in stored["measurements"] if m["family"] == family and "time" in m
+                m["time"]: (m["load_average"], m.get("nice"))
+                for m in stored["measurements"]
+                if m["family"] == family and "time" in m
             }
-            for when, load in again.items():
+            for when, (load, nice) in again.items():
                 md.append(
-                    f"The {family} rows were measured again by `OMP_NUM_THREADS=1 nice -n 10 python "
-                    f"benchmarks/calibrate_planner.py --only {family}` at {when} "
+                    f"The {family} rows were measured again by `{_command(nice)} --only {family}` at {when} "
                     f"(load average {', '.join(f'{x:.1f}' for x in load)})."
                 )
         md += [
@@ -891,6 +910,15 @@ def main() -> None:
             "  no count was changed for it. The reverse-pass rows (llama 1.013, qwen3_5 1.047 held out) and the llama",
             "  prefill were predicted before being measured. tests/test_plan.py checks both inventories at a third",
             "  set of widths (H=96, three delta-rule groups).",
+            "- qwen3_5's reverse inventory was traced again (`--trace qwen3_5`, at `CPU_WIDTHS` and `--widths",
+            "  qwen3_5`) after its delta rule got the hand-written backward (`qwen3_5._DeltaRuleFunction`): what it",
+            "  saves (`plan.delta_rule_saved_bytes`, checked byte for byte against its saved tensors in",
+            "  tests/test_plan.py) and what the layer keeps around it (`plan.REVERSE_DELTA_RULE`), in place of the",
+            "  plain rule's autograd inventory. Reverse pass 1.075 / 1.065 -> 1.001 / 1.002 (traced / held out), the",
+            "  sharded rows 1.082 / 1.077 -> 1.012 / 1.011 (with 3 gate tensors of the last attention layer, then",
+            "  live at the peak). The prompt passes then stopped running the last layer's attention output projection",
+            "  (`Engine._records_only`), which freed its query projection, gate and gated output (qwen3_5's reverse",
+            "  peaks 136.66 -> 126.66 and 82.33 -> 76.84 MiB), and the planner stopped counting the gate tensors.",
             "- The prompt passes now compute the last layer's records alone (no MLP, final norm or attention output:",
             "  `Engine._records_only`). The llama and qwen3_5 rows were measured again after that change (reverse",
             "  pass: llama 112.4 -> 73.9 MiB, qwen3_5 195.3 -> 152.6 MiB). The reverse inventory lost the last",
@@ -929,6 +957,7 @@ def main() -> None:
         ]
         if stored.get("sharded"):
             md += sharded_section(stored["sharded"])
+    md += hand_notes(Path(args.out))
     Path(args.out).write_text("\n".join(md))
     print("\n".join(md))
 

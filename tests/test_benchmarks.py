@@ -313,52 +313,52 @@ def test_bench_sharded_end_to_end(tmp_path, bench_env):
     # rank's CPU time, and equals it in one process (no waits).
     assert all(r["critical_s"] >= r["cpu_s"] - 1e-6 and r["wait_s"] >= -1e-6 for r in records)
     assert by_setup["1 process"]["wait_s"] == 0
+    # Counted collectives: the sharded passes' exchanges on top of the trainer's own (one process, world 1, has a
+    # few trivial ones: loss and metric reductions); wall time inside them.
+    assert by_setup["1 process"]["collectives"] + 10 < by_setup["sharded x2"]["collectives"]
+    assert by_setup["sharded x2"]["collective_wall_s"] > 0
     assert "| 385 | sharded x2 |" in out.read_text()
 
 
-def test_bench_sharded_repeat_interleaves_setups_and_reports_medians_and_spread(tmp_path, monkeypatch):
-    """`--repeat 3`: the setups run interleaved (A B A B A B, one launch each); a cell of the wall, CPU and
-    critical-path figures reads `median (min-max)`, other figures the median, ratios of the medians; the header says
-    how many runs; the JSON keeps every run. The launches are replaced by fixed figures (the launch itself is the
-    slow end-to-end test's), so this runs in well under a second."""
+def test_bench_sharded_repeat_interleaves_and_reports_medians(tmp_path, monkeypatch):
+    """`--repeat 3`: the setups run interleaved (A B A B A B), each cell shows the median of its runs with the spread
+    (min-max) of the step, CPU and critical path, the ratios are ratios of medians, the table says how many runs, and
+    the JSON keeps every run. The launches are replaced by made-up records (the end-to-end test above launches)."""
     import bench_sharded
 
-    import trl_longstraw.testing
-
     launched = []
-    figures = {"1 process": [30.0, 20.0, 10.0], "sharded x2": [9.0, 3.0, 6.0]}  # per repeat: step, CPU, critical
+    # Per setup, the figures of its three runs in order: medians 10 (1 process) and 6 (sharded), one outlier each.
+    times = {"1 process": [10.0, 30.0, 8.0], "sharded x2": [6.0, 5.0, 9.0]}
 
     def fake_run(args, model_path, family, setup, p):
-        value = figures[setup][sum(s == setup for _, s in launched)]
-        launched.append((family, setup))
-        one = setup == "1 process"
-        return dict(
-            family=family, setup=setup, P=p, time_s=value, cpu_s=value + 1, critical_s=value + 2, wait_s=1.0,
-            prefill_s=value / 2, reverse_s=value / 4, mlp_tokens=100.0 if one else 50.0, nice=0,
-            state_bytes=2**21 if one else 2**20, growth_bytes=(4 if one else 2) * 2**20 + value, load=[0.1, 0.2],
-        )  # fmt: skip
+        t = times[setup][sum(1 for s in launched if s == setup)]
+        launched.append(setup)
+        figures = dict(time_s=t, cpu_s=t, prefill_s=1.0, reverse_s=2.0, mlp_tokens=4.0, critical_s=t, wait_s=0.0)
+        figures.update(collectives=0 if setup == "1 process" else 100, collective_wall_s=t / 10)
+        state = 2**20 if setup == "sharded x2" else 2**21
+        return dict(family=family, setup=setup, P=p, state_bytes=state, growth_bytes=2**20, **figures)
 
     monkeypatch.setattr(bench_sharded, "run", fake_run)
-    monkeypatch.setattr(trl_longstraw.testing, "save_tiny_model", lambda path, family: path)
     out = tmp_path / "SHARDED.md"
     argv = ["--family", "llama", "--P", "64", "--setup", "1 process", "--setup", "sharded x2", "--repeat", "3"]
     bench_sharded.main(argv + ["--out", str(out)])
-    assert [s for _, s in launched] == ["1 process", "sharded x2"] * 3
+    assert launched == ["1 process", "sharded x2"] * 3
     text = out.read_text()
-    assert "3 runs of every setup, interleaved" in text
-    # 1 process: step 10/20/30 -> 20 (10-30); sharded: 3/6/9 -> 6 (3-9); ratio of medians 6 / 20 = 0.30.
-    assert "| 64 | 1 process | 20.00 (10.00-30.00) | 21.00 (11.00-31.00) | 10.00 | 5.00 | 100 | 2.0 |" in text
+    assert "3 runs of each setup, interleaved" in text
+    assert "| 64 | 1 process | 10.00 (8.00-30.00) | 10.00 (8.00-30.00) | 1.00 | 2.00 |" in text
     row = next(line for line in text.splitlines() if line.startswith("| 64 | sharded x2 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[2:5] == ["6.00 (3.00-9.00)", "7.00 (4.00-10.00)", "3.00"]
-    assert cells[9] == "0.50x" and cells[11] == "0.30x" and cells[12] == f"{7 / 21:.2f}x"
-    assert cells[13] == "8.00 (5.00-11.00)" and cells[15] == f"{8 / 21:.2f}x"
+    assert cells[2:4] == ["6.00 (5.00-9.00)"] * 2 and cells[13] == "6.00 (5.00-9.00)"
+    assert cells[9] == "0.50x" and cells[11] == "0.60x" and cells[12] == "0.60x" and cells[15] == "0.60x"
+    assert cells[16:] == ["100", "0.60"]  # collectives in the step, wall seconds in them (medians)
     records = json.loads(out.with_suffix(".json").read_text())
-    assert [(r["setup"], r["repeat"]) for r in records] == [(s, i) for i in range(3) for s in figures]
-    # One run: the figures without a spread, as before --repeat.
+    assert [r["run"] for r in records] == [0, 0, 1, 1, 2, 2]
+    # One run: the cells have no spread and the header no repeat count, as before --repeat existed.
     launched.clear()
+    times = {"1 process": [10.0], "sharded x2": [6.0]}
     bench_sharded.main(argv[:-2] + ["--out", str(out)])
-    assert "| 64 | 1 process | 30.00 | 31.00 | 15.00 |" in out.read_text() and "runs of every" not in out.read_text()
+    text = out.read_text()
+    assert "runs of each setup" not in text and "| 64 | sharded x2 | 6.00 | 6.00 | 1.00 | 2.00 |" in text
 
 
 def test_bench_limit_rows_of_cuts_each_completion_to_its_length():

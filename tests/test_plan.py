@@ -970,7 +970,7 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
             if exact and device == "cuda":  # the multiples take the exchange and the widening
                 expected = _item(single, "chunk activations") + chunk * wider + exchange + gathered + records
             elif exact:  # the larger of the widened rule's phase and an attention layer's backward with its exchange
-                attention = plan.reverse_bytes(qwen, b, device, mixers=("attention",))
+                attention = plan.reverse_exchange_bytes(qwen, b, device)
                 widened = chunk * plan.reverse_bytes(qwen, b, device, widened=True) + tiles
                 expected = max(widened, chunk * attention + tiles + exchange)
                 assert widened - _item(single, "chunk activations") == chunk * wider + gathered + records
@@ -992,6 +992,69 @@ def test_later_ranks_of_a_round_count_the_widened_delta_rule():
         kept = _item(estimate(llama, u), "chunk activations")
         kept -= _item(estimate(llama, replace(u, attention_reuse=False)), "chunk activations")
         assert kept == chunk * (outputs * width + lses * 4), width
+
+
+def test_delta_rule_saved_tensors_are_counted():
+    """The CPU reverse inventory counts what the hand-written delta rule (`qwen3_5._DeltaRuleFunction`) saves for its
+    backward (`plan.delta_rule_saved_bytes`): its saved tensors, read off the graph, byte for byte (a length that is
+    not a multiple of the block), and the Gated DeltaNet mixer is those plus what the layer keeps around the rule."""
+    from trl_longstraw.qwen3_5 import _DeltaRuleFunction
+
+    heads, k_dim, v_dim, tokens = 3, 16, 24, 200
+    torch.manual_seed(0)
+    query, key = (torch.nn.functional.normalize(torch.randn(1, heads, tokens, k_dim), dim=-1) for _ in range(2))
+    value = torch.randn(1, heads, tokens, v_dim, requires_grad=True)
+    g, beta = -torch.rand(1, heads, tokens), torch.rand(1, heads, tokens)
+    out, _ = _DeltaRuleFunction.apply(query, key, value, g, beta, None, None)
+    saved = sum(t.nbytes for t in out.grad_fn.saved_tensors)
+    assert plan.delta_rule_saved_bytes(tokens, heads, k_dim, v_dim) == saved
+    widths = dict(hidden_size=96, intermediate_size=160, num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+    gdn = dict(
+        linear_num_key_heads=1, linear_num_value_heads=heads, linear_key_head_dim=k_dim, linear_value_head_dim=v_dim
+    )
+    _, qwen = _tiny_stats(
+        "qwen3_5", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], **widths, **gdn
+    )
+    conv_dim = qwen.delta_rule[3]
+    around = plan.REVERSE_DELTA_RULE
+    per_token = around["conv"] * conv_dim * 4 + heads * 4 * (
+        around["value"] * v_dim + around["key"] * k_dim + around["scalars"]
+    )
+    blocks = tokens // 64 * 64  # whole blocks: the per-token count
+    rule = plan.delta_rule_saved_bytes(blocks, heads, k_dim, v_dim) - heads * 4 * (k_dim * v_dim + blocks // 64)
+    assert blocks * plan._reverse_mixer_bytes(qwen, "linear_attention", 4) == blocks * per_token + rule
+
+
+def test_sharded_cpu_reverse_pass_peaks_at_an_attention_layers_exchange():
+    """A context-parallel round's attention layer exchanges in its backward, after its MLP's tensors are freed: the
+    CPU reverse pass of a sharded llama rank is the larger of the MLP's phase (`reverse_bytes`) and the exchange's
+    phase (`reverse_exchange_bytes` + `context_parallel_exchange`), not their sum (which was 12-19% above the
+    measured peaks, benchmarks/CALIBRATION.md). CUDA keeps the sum (multiples)."""
+    b, chunk = 4, 1000
+    widths = dict(hidden_size=96, intermediate_size=400, num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+    _, llama = _tiny_stats("llama", num_hidden_layers=2, **widths)
+    mlp_phase = plan.reverse_bytes(llama, b, "cpu")
+    exchange_phase = plan.reverse_exchange_bytes(llama, b, "cpu")
+    # The two phases share the chunk's tensors and the attention layer's saved ones; they differ by what is live.
+    live = plan.REVERSE_LIVE_RESIDUALS * 96 + plan.REVERSE_MLP_LIVE * 400
+    backward = (
+        plan.REVERSE_EXCHANGE_RESIDUALS * 96 + plan.REVERSE_EXCHANGE_QUERY * 3 * 32 + plan.REVERSE_EXCHANGE_KV * 32
+    )
+    assert mlp_phase - exchange_phase == (live - backward) * b > 0
+    assert plan.reverse_exchange_bytes(llama, b, "cuda") is None
+    one = Setup(positions=20 * chunk, prefill_chunk_size=chunk, gpus=1, compute_bytes=b, fsdp=False, device="cpu")
+    two = replace(one, gpus=2, shard_prompt_state=True)
+    exchange = plan.context_parallel_exchange(llama, 2, chunk, b, autograd=True)
+    tiles = plan.score_tiles(llama, b, chunk, autograd=True, device="cpu")
+    expected = max(chunk * mlp_phase + tiles, chunk * exchange_phase + tiles + exchange)
+    assert _item(estimate(llama, two), "chunk activations") == expected
+    assert expected < chunk * mlp_phase + tiles + exchange
+    # One process: no exchange, the MLP's phase.
+    assert _item(estimate(llama, one), "chunk activations") == chunk * mlp_phase + tiles
+    # CUDA: the multiples with the exchange on top.
+    cuda = _item(estimate(llama, replace(two, device="cuda")), "chunk activations")
+    single = _item(estimate(llama, replace(one, device="cuda")), "chunk activations")
+    assert cuda - single == exchange
 
 
 def test_widened_delta_rule_prefill_matches_the_allocated_peak():
@@ -1316,3 +1379,17 @@ if __name__ == "__main__":
     for config in CONFIGS:
         config.write_text(config_with_planner_output(config.read_text())[0])
         print(f"rewrote the planner output in {config}")
+
+
+def test_calibration_keeps_hand_notes(tmp_path):
+    """A rewrite of CALIBRATION.md from calibrate_planner's template keeps the notes under its `HAND_NOTES` heading
+    (`hand_notes`: from that heading to the end), and a file without one gives none."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from calibrate_planner import HAND_NOTES, hand_notes
+
+    path = tmp_path / "CALIBRATION.md"
+    assert hand_notes(path) == []
+    path.write_text("# Planner calibration\n\n| table |\n")
+    assert hand_notes(path) == []
+    path.write_text(f"# Planner calibration\n\n| table |\n\n{HAND_NOTES}\n\n- a note\n")
+    assert hand_notes(path) == [HAND_NOTES, "", "- a note", ""]

@@ -47,18 +47,27 @@ class PositionCounter:
 class MlpPromptTokens:
     """Counts the prompt tokens (counted positions, as `PositionCounter`) that the MLPs of a backbone's first and last
     decoder layers compute, forward or recomputed: each MLP call is charged the counted positions of the backbone
-    call in progress (a gradient-checkpointing recompute runs in the backward of the pass that ran the forward)."""
+    call in progress (a gradient-checkpointing recompute runs in the backward of the pass that ran the forward).
+    Also those that the last layer's attention output projection computes (`"last o_proj"`), where it has one."""
 
     def __init__(self, backbone, positions: dict[int, set[int]]):
         self.counter = PositionCounter(backbone, positions)
         self.current = 0
-        self.counts = {"first": 0, "last": 0}
+        self.counts = {"first": 0, "last": 0, "last o_proj": 0}
         self.handles = [backbone.register_forward_pre_hook(self.call, with_kwargs=True)]
         for name, layer in (("first", backbone.layers[0]), ("last", backbone.layers[-1])):
             # The MLP's first linear layer (a MoE block's shared experts' run every token): it runs when the MLP
             # computes, where the MLP module's own hooks run even when its forward is replaced.
             linear = next(m for m in layer.mlp.modules() if isinstance(m, torch.nn.Linear))
             self.handles.append(linear.register_forward_hook(lambda *_, name=name: self.charge(name)))
+        projection = getattr(getattr(backbone.layers[-1], "self_attn", None), "o_proj", None)
+        if projection is not None:
+            # Its hooks run even when its forward is replaced (by the 0-dim zero): charged when it computes a row.
+            self.handles.append(projection.register_forward_hook(self.projected))
+
+    def projected(self, module, args, output) -> None:
+        if output.dim() > 0:
+            self.charge("last o_proj")
 
     def call(self, module, args, kwargs):
         before = sum(self.counter.counts.values())
@@ -212,6 +221,11 @@ def test_one_prefill_per_step_with_trl_defaults(tiny_model_path, family, mode):
     # At least once per pass (a gradient-checkpointing recompute runs the first layer's MLP again).
     assert mlps["ours"].counts["last"] == 0 < steps * once * positions <= mlps["ours"].counts["first"]
     assert mlps["stock"].counts["last"] == mlps["stock"].counts["first"] >= steps * 2 * G * positions
+    # Nor does its attention output projection, where the last layer is an attention layer (llama, glm_moe_dsa: GLM's
+    # records-only attention returns before it; the tiny qwen3_5 ends with a Gated DeltaNet).
+    attention_last = hasattr(ours.model.base_model.layers[-1], "self_attn")
+    assert mlps["ours"].counts["last o_proj"] == 0
+    assert (mlps["stock"].counts["last o_proj"] == mlps["stock"].counts["first"]) == attention_last
 
 
 @pytest.mark.slow

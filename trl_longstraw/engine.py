@@ -549,11 +549,13 @@ class Engine:
     def _records_only(self, p: Pass):
         """A prompt pass `p` (prefill, reverse chunk, or their fillers): the last decoder layer's outputs are never
         read (later tokens read its records alone; the branches compute the last prompt position's logit), so for the
-        block its post-attention norm and MLP return zeros, the backbone's final norm returns its input, and its token
-        mixer may compute its records alone (`Pass.outputs_unread`). The prefill then spends nothing on them, and the
-        reverse pass neither recomputes them nor keeps their graph, which its backward never consumes (the backbone's
-        output gets no gradient). Fillers run the same modules as the passes they pad, so FSDP2 and expert-parallel
-        collectives still match. Nothing for a backbone without `layers` and `norm`.
+        block its post-attention norm, MLP and attention output projection (`self_attn.o_proj`, where it has one)
+        return zeros, the backbone's final norm returns its input, and its token mixer may compute its records alone
+        (`Pass.outputs_unread`). The prefill then spends nothing on them, and the reverse pass neither recomputes them
+        nor keeps their graph, which its backward never consumes (the backbone's output gets no gradient): without the
+        projection, a gated attention's gate and gated output are freed at once instead of living through the pass.
+        Fillers run the same modules as the passes they pad, so FSDP2 and expert-parallel collectives still match.
+        Nothing for a backbone without `layers` and `norm`.
         """
         backbone = self._backbone()
         layers = getattr(backbone, "layers", None)
@@ -573,8 +575,12 @@ class Engine:
         def identity(module, hidden_states, *args, **kwargs):
             return hidden_states
 
+        replaced = list(zip(parts, (identity, zeros, identity), strict=True))
+        projection = getattr(getattr(last, "self_attn", None), "o_proj", None)
+        if isinstance(projection, torch.nn.Module):
+            replaced.append((projection, zeros))
         with contextlib.ExitStack() as stack:
-            for module, forward in zip(parts, (identity, zeros, identity), strict=True):
+            for module, forward in replaced:
                 stack.enter_context(_forward_replaced(module, forward))
             yield
 

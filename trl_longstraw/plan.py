@@ -587,15 +587,17 @@ def round_states_bytes(stats: ModelStats, world: int) -> int:
 # - layer L-2's recomputed graph and the MLP backward's gradients (`REVERSE_LIVE_RESIDUALS` `[T, H]` with the
 #   incoming gradient, `REVERSE_MLP_LIVE` `[T, I]`: gate, up, act(gate) and three gradients), and its token mixer's
 #   saved tensors: an attention layer's (`REVERSE_ATTENTION_QUERY_TENSORS` `[T, q_proj width]`-sized query-side
-#   tensors, per model type, and K and V), or Gated DeltaNet's torch fallback with autograd (`REVERSE_DELTA_RULE`:
-#   conv window, conv output and its activation `[T, conv_dim]`; `[T, Hv, Dv]` tensors (z, its gate, the gated
-#   norm's three, the fp32 value, new values, per-block new values); `[T, Hv, Dk]` fp32 (query, key and their copies,
-#   k_beta, decayed query and key, k_cumdecay, L2-norm temporaries); `[Hv, block, block]` per block (decays, UT
-#   system, intra-block scores); the state after each block `[Hv, Dk, Dv]` per 64 tokens; and per-head scalars).
-# The last layer adds nothing at the peak: in a prompt pass it computes its records alone (`Engine._records_only`: no
+#   tensors, per model type, and K and V), or Gated DeltaNet's with its hand-written backward
+#   (`qwen3_5._DeltaRuleFunction`): what the function saves (`delta_rule_saved_bytes`) and what the layer's graph
+#   keeps around it (`REVERSE_DELTA_RULE`: the conv window and its output `[T, conv_dim]`; `[T, Hv, Dv]`: z, its
+#   activation, the gated norm's three and the fp32 value; `[T, Hv, Dk]` fp32: the L2-normalized query and key; and
+#   per-head scalars: g, beta and the L2 and gated norms' temporaries).
+# The last layer adds little at the peak: in a prompt pass it computes its records alone (`Engine._records_only`: no
 # MLP, final norm or token-mixer output, whose graph the backward would never consume), and the backward consumes
 # the graph of its records before reaching layer L-2 (traced: the 4 `[T, H]` and 4 `[T, I]` tensors and the last
-# mixer's saved tensors that it kept before are gone, and so are the final norm's input and output).
+# mixer's saved tensors that it kept before are gone, and so are the final norm's input and output). A last
+# attention layer's output projection returns zeros too, so a gated attention's query projection, gate and gated
+# output are freed at once (traced: they were live at the peak before, 10 MiB of qwen3_5's 137 at `CPU_WIDTHS`).
 # The CUDA reverse pass keeps the activation multiples (`ACTIVATION_MULTIPLES`), calibrated on the GPU check.
 REVERSE_CHUNK_RESIDUALS = 1
 REVERSE_LIVE_RESIDUALS = 6
@@ -604,11 +606,18 @@ REVERSE_MLP_LIVE = 6
 # copies; qwen3_5: also the query projection with its gate `[T, 2 Hq D]`, the q-norm's normalized query, the rotated
 # query, the gate's sigmoid and the gated output). Model types without an entry use llama's.
 REVERSE_ATTENTION_QUERY_TENSORS = {"llama": 2, "qwen3_5_text": 7, "qwen3_5": 7}
-REVERSE_DELTA_RULE = dict(conv=3, value=8, key=12, blocks=5, scalars=10)
+# Around the hand-written delta rule (traced, `--trace qwen3_5` at two sets of widths; was `conv=3, value=8, key=12,
+# blocks=5, scalars=10` with autograd through the plain rule, which saved more).
+REVERSE_DELTA_RULE = dict(conv=2, value=6, key=2, scalars=6)
+# What `qwen3_5._DeltaRuleFunction` saves (`qwen3_5._SAVED_TERMS`, `v_new` and the states), per token and value head:
+# `[Dk]` vectors (key, scaled query, k_beta, k_beta exp(c), w, k_d, q exp(c)), `[block]` rows (the decays `P`, the UT
+# system, the intra-block scores), scalars (beta, exp(c), exp(c_last - c)), `REVERSE_WIDENED_VALUES` `[Dv]` vectors,
+# and the state at the start of every block `[Dk, Dv]` (with the final one) and its decay.
+DELTA_RULE_SAVED = dict(key=7, blocks=3, scalars=3)
 # A later rank of a context-parallel round (`qwen3_5._round_core`) runs the rule on values widened by `Dk` zero columns
-# (`segment_gated_delta_rule`), with autograd: of its saved `[T, Hv, Dv]` fp32 tensors, `REVERSE_WIDENED_VALUES` are
-# `Dv + Dk` wide there (the new values, the per-block new values, and the rule's output, which the carry's view keeps
-# for the resume), and so is the state after each block; beside them the widened values `[T, Hv, Dv + Dk]` (compute
+# (`segment_gated_delta_rule`), with autograd: its saved `[T, Hv, Dv]` fp32 tensors, `REVERSE_WIDENED_VALUES` (the
+# values, the UT-transformed values and the new values), are `Dv + Dk` wide there, and so is the state at the start of
+# each block; beside them the widened values `[T, Hv, Dv + Dk]` (compute
 # dtype) and the resumed output `[T, Hv, Dv]` fp32 (traced: `segment_gated_delta_rule` and `resume_gated_delta_rule`
 # against `torch_gated_delta_rule`, what the graph keeps after the forward at `Dk = 48, Dv = 24`: the count exactly).
 REVERSE_WIDENED_VALUES = 3
@@ -623,6 +632,17 @@ def delta_rule_value_work(heads: int, k_dim: int, width: int) -> int:
     return heads * (REVERSE_WIDENED_VALUES * width * DELTA_RULE_BLOCK + k_dim * width) * 4 // DELTA_RULE_BLOCK
 
 
+def delta_rule_saved_bytes(tokens: int, heads: int, k_dim: int, v_dim: int) -> int:
+    """Bytes that `qwen3_5._DeltaRuleFunction` saves for its backward over `tokens` tokens of `heads` value heads
+    (see `DELTA_RULE_SAVED`), fp32: the per-token tensors, and per block of `DELTA_RULE_BLOCK` the state at its start
+    (and the final state) and its decay."""
+    from .qwen3_5 import DELTA_RULE_BLOCK
+
+    c, blocks = DELTA_RULE_SAVED, -(-tokens // DELTA_RULE_BLOCK)
+    per_token = c["key"] * k_dim + REVERSE_WIDENED_VALUES * v_dim + c["blocks"] * DELTA_RULE_BLOCK + c["scalars"]
+    return heads * 4 * (blocks * DELTA_RULE_BLOCK * per_token + (blocks + 1) * k_dim * v_dim + blocks)
+
+
 def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int, widened: bool = False) -> int:
     """Per chunk token, the saved tensors of one recomputed token mixer (`kind`: "attention" or "linear_attention")
     in the CPU reverse pass (see `REVERSE_CHUNK_RESIDUALS`); `widened`: a Gated DeltaNet's on a later rank of a
@@ -632,11 +652,11 @@ def _reverse_mixer_bytes(stats: ModelStats, kind: str, b: int, widened: bool = F
 
     if kind == "linear_attention":
         heads, k_dim, v_dim, conv_dim = stats.delta_rule
-        c = REVERSE_DELTA_RULE
-        rest = c["value"] - REVERSE_WIDENED_VALUES  # z, its gate, the gated norm's three
+        c, saved = REVERSE_DELTA_RULE, DELTA_RULE_SAVED
+        keys, scalars = c["key"] + saved["key"], c["scalars"] + saved["scalars"]
         base = (
             c["conv"] * conv_dim * b
-            + heads * (rest * v_dim + c["key"] * k_dim + c["blocks"] * DELTA_RULE_BLOCK + c["scalars"]) * 4
+            + heads * (c["value"] * v_dim + keys * k_dim + saved["blocks"] * DELTA_RULE_BLOCK + scalars) * 4
         )
         if not widened:
             return base + delta_rule_value_work(heads, k_dim, v_dim)
@@ -674,6 +694,39 @@ def reverse_bytes(
         + max(_reverse_mixer_bytes(s, kind, b, widened) for kind in mixers or earlier or {last})
     )
     return chunk + live
+
+
+# What a rank holds beside an attention layer's exchange in a context-parallel round of the CPU reverse pass
+# (`sharding._ShardedPrefixAttention.backward`, at its final all-to-all), besides the chunk's own tensors and the
+# exchange (`context_parallel_exchange`): the layer's recomputed graph (the residual stream's
+# `REVERSE_EXCHANGE_RESIDUALS` `[T, H]`: the recomputed input norm's two, the incoming gradient, the gradients of the
+# norm's product and of the output projection's input, and the layer input's gradient accumulator; the token mixer's
+# saved query-side tensors and K and V, `_reverse_mixer_bytes`) and the attention backward's own gradients
+# (`REVERSE_EXCHANGE_QUERY` `[T, Hq * D]`: the own causal part's dq and the repeated keys' and values' dK and dV, the
+# repeated keys and values, the fp32 dq accumulator and its sum; `REVERSE_EXCHANGE_KV` `[T, Hkv * D]`: dK and dV and
+# their sums, the recomputed K projection and RoPE's output and their gradients). The MLP's tensors of the same layer
+# are gone by then (traced: `benchmarks/calibrate_planner.py --trace llama --sharded 8192`, both ranks; the
+# inventory of the MLP's phase, `reverse_bytes`, with the exchange on top was 12-19% above the measured peaks).
+REVERSE_EXCHANGE_RESIDUALS = 6
+REVERSE_EXCHANGE_QUERY = 7
+REVERSE_EXCHANGE_KV = 6
+
+
+def reverse_exchange_bytes(stats: ModelStats, compute_bytes: int, device: str) -> int | None:
+    """Bytes per chunk token that a rank holds in the CPU reverse pass beside an attention layer's exchange of a
+    context-parallel round (`REVERSE_EXCHANGE_RESIDUALS`), the exchange itself excluded; None where `reverse_bytes`
+    is (the CUDA multiples take the exchange as a sum)."""
+    full = reverse_bytes(stats, compute_bytes, device, mixers=("attention",))
+    if full is None:
+        return None
+    s = stats
+    mlp_phase = REVERSE_LIVE_RESIDUALS * s.hidden_size + REVERSE_MLP_LIVE * s.intermediate_size
+    exchange_phase = (
+        REVERSE_EXCHANGE_RESIDUALS * s.hidden_size
+        + REVERSE_EXCHANGE_QUERY * s.attention_heads * s.head_dim
+        + REVERSE_EXCHANGE_KV * s.kv_width
+    )
+    return full + (exchange_phase - mlp_phase) * compute_bytes
 
 
 def exchange_rows(stats: ModelStats, rows: int) -> int:
@@ -1299,7 +1352,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
         # time exchanges the round's queries and partial outputs.
         cp_exchange = context_parallel_exchange(s, state_parts, chunk, u.compute_bytes, autograd=exact)
         scored += f" + {_size(cp_exchange)} exchanged by one attention layer in a round of {state_parts} chunks"
-        if not widened:
+        if not widened and not exact:
             tiles, cp_exchange = tiles + cp_exchange, 0
     if widened:
         # One DeltaNet layer's all-gather of every rank's final state and transition.
@@ -1355,12 +1408,12 @@ def estimate(stats: ModelStats, setup: Setup) -> Budget:
             reverse_per_token += wider * (1 if checkpointed else s.layer_kinds.count("linear_attention"))
         activations = chunk * reverse_per_token + tiles + cp_exchange
         if cp_exchange and itemized is not None:
-            # With Gated DeltaNet layers the attention layers' exchange happens in their backward, beside their own
-            # saved tensors, not the widened rule's (traced): the larger of the two phases. The CUDA multiples, per
-            # layer of any kind, take the sum.
-            attention = reverse_bytes(s, u.compute_bytes, u.device, mixers=("attention",))
-            widened_phase = chunk * reverse_per_token + tiles
-            activations = max(widened_phase, chunk * (attention - reuse + allocated) + tiles + cp_exchange)
+            # The attention layers' exchange happens in their backward, beside their own graph and gradients, after
+            # the MLP's tensors of the same layer and before the next layer's (`reverse_exchange_bytes`, traced): the
+            # larger of the two phases. The CUDA multiples, per layer of any kind, take the sum.
+            attention = reverse_exchange_bytes(s, u.compute_bytes, u.device)
+            other_phase = chunk * reverse_per_token + tiles
+            activations = max(other_phase, chunk * (attention - reuse + allocated) + tiles + cp_exchange)
         items.append(
             Item(
                 "chunk activations",
