@@ -207,17 +207,32 @@ def _assert_within_factor(runs: dict, groups: bool) -> dict:
 @pytest.mark.parametrize("family,overrides,groups", CRITERION_CASES, ids=["llama", "qwen3_5", "glm", "glm-dense"])
 def test_bf16_error_at_most_twice_stocks(monkeypatch, tmp_path, family, overrides, groups, mode):
     """TRL's default bf16 autocast over fp32 weights; detached mode against its plain reference. qwen3_5's delta rule
-    runs its hand-written backward wherever autograd records (the replays, and exact mode's reverse pass)."""
-    from trl_longstraw import qwen3_5
+    runs its hand-written backward wherever autograd records (the replays, and exact mode's reverse pass); the prompt
+    passes replace the last layer's attention output projection where it has one (`Engine._records_only`)."""
+    from trl_longstraw import engine, qwen3_5
 
-    calls = []
+    calls, replaced = [], []
     apply = qwen3_5._DeltaRuleFunction.apply
     monkeypatch.setattr(qwen3_5._DeltaRuleFunction, "apply", lambda *args: calls.append(1) or apply(*args))
+    forward_replaced = engine._forward_replaced
+    monkeypatch.setattr(
+        engine,
+        "_forward_replaced",
+        lambda module, forward: replaced.append(module) or forward_replaced(module, forward),
+    )
     path = save_tiny_model(tmp_path / family, family, **overrides)
     runs = three_runs(path, mode)
     assert all(runs[name]["trainer"].args.bf16 for name in ("stock bf16", "ours bf16"))
     _assert_within_factor(runs, groups)
     assert bool(calls) == (family == "qwen3_5")
+    # The tiny qwen3_5 ends with a Gated DeltaNet layer; the others with an attention layer.
+    projections = {
+        id(m.self_attn.o_proj)
+        for run in runs.values()
+        for m in run["trainer"].model.modules()
+        if hasattr(m, "self_attn")
+    }
+    assert any(id(m) in projections for m in replaced) == (family != "qwen3_5")
 
 
 @pytest.mark.slow
