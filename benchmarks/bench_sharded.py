@@ -256,7 +256,8 @@ SPREAD = ("time_s", "cpu_s", "critical_s")  # the columns shown with their sprea
 
 
 def summarize(runs: list[dict]) -> dict:
-    """The median of each figure over the repeated runs of one cell, and `(min, max)` of each figure under `spread`."""
+    """The median of each figure over the repeated runs of one cell, its `(min, max)` under `spread` (the table shows
+    those of `SPREAD`), and the number of runs."""
     summary = {key: statistics.median(r[key] for r in runs) for key in COLUMNS}
     summary["spread"] = {key: (min(r[key] for r in runs), max(r[key] for r in runs)) for key in COLUMNS}
     summary["runs"] = len(runs)

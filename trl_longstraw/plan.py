@@ -617,9 +617,9 @@ DELTA_RULE_SAVED = dict(key=7, blocks=3, scalars=3)
 # A later rank of a context-parallel round (`qwen3_5._round_core`) runs the rule on values widened by `Dk` zero columns
 # (`segment_gated_delta_rule`), with autograd: its saved `[T, Hv, Dv]` fp32 tensors, `REVERSE_WIDENED_VALUES` (the
 # values, the UT-transformed values and the new values), are `Dv + Dk` wide there, and so is the state at the start of
-# each block; beside them the widened values `[T, Hv, Dv + Dk]` (compute
-# dtype) and the resumed output `[T, Hv, Dv]` fp32 (traced: `segment_gated_delta_rule` and `resume_gated_delta_rule`
-# against `torch_gated_delta_rule`, what the graph keeps after the forward at `Dk = 48, Dv = 24`: the count exactly).
+# each block; beside them the widened values `[T, Hv, Dv + Dk]` (compute dtype) and the resumed output `[T, Hv, Dv]`
+# fp32 (traced: `segment_gated_delta_rule` and `resume_gated_delta_rule` against `torch_gated_delta_rule`, what the
+# graph keeps after the forward at `Dk = 48, Dv = 24`: the count exactly).
 REVERSE_WIDENED_VALUES = 3
 
 
